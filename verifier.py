@@ -1,8 +1,8 @@
-r"""Verifying answers: is a rollout's final answer the same as another answer?
+r"""Verifying rollouts: answer checking (same answer?) and tool verification (computed by a program?).
 
-Every reward in test-time RL comes from comparing answers, so the comparison must be exact in both
-directions: a false "equal" rewards a wrong rollout, a false "not equal" splits one answer into two
-vote classes and punishes a right one.
+Answer checking. Every reward in test-time RL comes from comparing answers, so the comparison must be
+exact in both directions: a false "equal" rewards a wrong rollout, a false "not equal" splits one answer
+into two vote classes and punishes a right one.
 
 Three layers, cheapest first:
 
@@ -23,10 +23,46 @@ Three layers, cheapest first:
 same_answer(a, b) is the class test for voting: weighted_vote(answers, verified, omega,
 key=answer_key, same=is_equiv) buckets by key and merges the buckets that only sympy can tell are equal.
 
+Tool verification (T3RL). For question x and rollout y_i with answer a_i = extract_answer(y_i), a
+verifier LLM compiles the computation into a short Python program (VERIFIER_SYSTEM: recompute from the
+problem, the rollout is only a hint; never print the candidate; one ```python block; math, sympy, numpy,
+fractions only; print only the result), the sandbox runs it, and
+
+    t_i = last non-empty line the program prints
+    v_i = 1[ the program ran cleanly  and  its printed value is computed  and  t_i ~ a_i ]
+
+where ~ is is_equiv (plus: Python spellings x**2, pi, I, [1, 2] are read as x^2, \pi, i, 1, 2; a float
+printed at machine precision matches a rational answer within relative 1e-9). Every rollout gets one status:
+
+    verified    v_i = 1                          no_answer   a_i is None: no verifier call spent
+    mismatch    ran, printed something else      no_code     the completion holds no code block
+    exec_error  raised, or hit a memory/output   timeout     ran past the sandbox's time limit
+                limit, or was killed             hardcoded   the last print shows only literals
+
+"hardcoded" is the weak-verifier failure the paper shows (Figure 11): a program that copies the
+trace's answer into print(1320) verifies anything. It is decided on the AST: the last print(...) in
+the source shows only numbers, strings, f-strings of those, names assigned only such literals, or
+calls of the program's own functions that return only such literals.
+
+verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=python_tool, budget=0) runs a
+whole training step at once: one call of `verifier` (any callable, list of user messages -> list of
+completions; model_verifier wraps a model in one batched sampler.generate call) and one call of `tool`
+(python_tool: one sandbox run_many). A rollout's reasoning enters the prompt cut to its last
+MAX_ROLLOUT_CHARS = 4000 characters (the end holds the answer; ~1.2k tokens), so a prompt stays bounded
+by that, the problem and the ~250-token system prompt. The tool is any function (programs, sandbox) -> [ToolRun(status, result, output, seconds)], so
+another one (an SMT solver for logic puzzles, with its own prompt) fits without changing the rest.
+budget K > 0 verifies only the first K rollouts of each answer class of a problem; the others inherit
+the majority outcome of those K (a tie counts as unverified) and are marked inferred. Costs per rollout:
+verifier tokens (VerifierText.num_tokens) and seconds (the batch's wall time split evenly over the
+rollouts sent), and the program's run time.
+
 `python verifier.py --bench-equiv` measures is_equiv on the labelled set data/equiv_cases.jsonl
-against bare math-verify and plain string matching.
+against bare math-verify and plain string matching. `python verifier.py --measure` verifies correct
+and wrong answers to 30 MATH-500 problems with the embedded 0.5B model as verifier; `--demo` shows one
+verification step by step.
 """
 
+import ast
 import functools
 import json
 import os
@@ -35,7 +71,12 @@ import select
 import subprocess
 import sys
 import threading
+import time
+from dataclasses import dataclass
 from fractions import Fraction
+
+from sandbox import default_pool
+from voting import _classes as answer_classes
 
 EQUIV_TIME_LIMIT_S = 2.0
 EQUIV_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "equiv_cases.jsonl")
@@ -521,6 +562,283 @@ def same_answer(a, b):
 
 
 # ----------------------------------------------------------------------------------------------------
+# Tool verification: v_i = 1[the verifier's program runs cleanly and prints a_i]
+
+VERIFIER_SYSTEM = """You are an expert mathematician and a careful Python programmer. You check a candidate \
+solution to a math problem by writing a short Python program that computes the answer itself.
+
+Rules:
+1. Do NOT assume the candidate's reasoning is correct. Recompute the answer directly from the problem \
+statement; use the reasoning only as a hint for how to approach the problem.
+2. Never hard-code the candidate's final answer and never print it as a literal: the program must \
+compute the result.
+3. Answer with exactly one code block in the form ```python\\nCODE\\n```.
+4. Import only these modules: math, sympy, numpy, fractions. Define every name you use, including sympy \
+symbols (x = sympy.symbols('x')).
+5. The program prints only the final result, once, at the end, e.g. print(result). Prefer exact values \
+(integers, fractions.Fraction, sympy expressions) to rounded decimals."""
+
+VERIFIER_USER = """Problem:
+{problem}
+
+Candidate solution (it may be wrong):
+{rollout}
+
+Write the Python program that computes the answer to the problem."""
+
+MAX_ROLLOUT_CHARS = 4000  # the end of a rollout holds its answer: longer ones keep their last 4000 characters
+STATUSES_VERIFY = ("verified", "mismatch", "no_answer", "no_code", "exec_error", "timeout", "hardcoded")
+
+_FENCE_PYTHON = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+_FENCE_ANY = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+_MACHINE_FLOAT = re.compile(r"[-+]?\d*\.\d{7,}(?:e[-+]?\d+)?|[-+]?\d+(?:\.\d*)?e[-+]?\d+", re.IGNORECASE)
+
+
+def verifier_prompt(problem, rollout):
+    """The user message for one rollout; its reasoning is cut to the last MAX_ROLLOUT_CHARS characters."""
+    if len(rollout) > MAX_ROLLOUT_CHARS:
+        rollout = "[... beginning cut ...]\n" + rollout[-MAX_ROLLOUT_CHARS:]
+    return VERIFIER_USER.format(problem=problem.strip(), rollout=rollout.strip())
+
+
+def extract_code(text):
+    """The first ```python block of a verifier completion, else its first fenced block, else None.
+    A block left open (the completion hit its token limit) runs to the end of the text."""
+    for fence in (_FENCE_PYTHON, _FENCE_ANY):
+        m = fence.search(text)
+        if m and m.group(1).strip():
+            return m.group(1)
+    return None
+
+
+# The hard-coding guard. Small verifiers copy the trace's final answer into print(...) (the paper's
+# Figure 11); such a program "verifies" anything. It is refused when the last print shows only literals:
+# numbers, strings (f-strings included), tuples/lists of them, names bound only to literals, or calls of
+# the program's own functions that return only literals. Arithmetic on literals (print(11 * 120): the
+# trace's claimed computation, redone) and other calls (print(math.comb(12, 3))) count as computing.
+
+def _literal_bindings(tree):
+    """name -> the values assigned to it, with None for a binding that is no plain assignment
+    (loop targets, augmented assignment, with/as, walrus, unpacking of something computed, ...)."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    bindings = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bindings.setdefault(node.id, []).append(_assigned_value(node, parents))
+    return bindings
+
+
+def _assigned_value(target, parents):
+    parent = parents[target]
+    if isinstance(parent, (ast.Assign, ast.AnnAssign)) and target is not parent.value:
+        return parent.value
+    if isinstance(parent, (ast.Tuple, ast.List)) and isinstance(parents[parent], ast.Assign):
+        value = parents[parent].value
+        if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(parent.elts):
+            return value.elts[parent.elts.index(target)]
+    return None
+
+
+def _is_literal(node, bindings, returns, seen=frozenset()):
+    if isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        return _is_literal(node.operand, bindings, returns, seen)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return all(_is_literal(e, bindings, returns, seen) for e in node.elts)
+    if isinstance(node, ast.JoinedStr):
+        parts = [v.value if isinstance(v, ast.FormattedValue) else v for v in node.values]
+        return all(_is_literal(part, bindings, returns, seen) for part in parts)
+    if isinstance(node, ast.Name) and node.id not in seen and bindings.get(node.id):
+        return all(v is not None and _is_literal(v, bindings, returns, seen | {node.id}) for v in bindings[node.id])
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in returns:
+        name = node.func.id
+        return name not in seen and bool(returns[name]) and all(
+            v is not None and _is_literal(v, bindings, returns, seen | {name}) for v in returns[name])
+    return False
+
+
+def hardcoded(code):
+    """True when the last print(...) of the program (in source order) shows only literals."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError):
+        return False  # it cannot run either; the tool reports it as an error
+    prints = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+              and node.func.id == "print" and node.args]
+    if not prints:
+        return False
+    last = max(prints, key=lambda node: (node.lineno, node.col_offset))
+    bindings = _literal_bindings(tree)
+    returns = {f.name: [r.value for r in ast.walk(f) if isinstance(r, ast.Return)]
+               for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
+    return all(_is_literal(arg, bindings, returns) for arg in last.args)
+
+
+# The tool: a function (programs, sandbox) -> one ToolRun per program. Another tool (an SMT solver for
+# logic puzzles) only has to keep this signature.
+
+@dataclass
+class ToolRun:
+    """What the tool made of one program."""
+    status: str          # "ok", "error", "timeout", or "hardcoded" (refused without being trusted)
+    result: str | None   # the tool's answer t_i: the last non-empty line of stdout
+    output: str          # everything the program printed (stdout, then stderr), for reading
+    seconds: float       # time the program ran
+
+
+def python_tool(codes, sandbox=None):
+    """Run every program in the sandbox (one run_many call; None: sandbox.default_pool()), never in this
+    process. Hard-coded programs run too, so that what they print can be read."""
+    runs = (sandbox or default_pool()).run_many(codes) if codes else []
+    tool_runs = []
+    for code, run in zip(codes, runs):
+        lines = [line.strip() for line in run.stdout.splitlines() if line.strip()]
+        status = ("hardcoded" if hardcoded(code) else "ok" if run.status == "ok" else
+                  "timeout" if run.status == "timeout" else "error")
+        output = run.stdout + (("\n" if run.stdout and run.stderr else "") + run.stderr)
+        tool_runs.append(ToolRun(status, lines[-1] if lines else None, output, run.duration))
+    return tool_runs
+
+
+def _python_spelling(result):
+    """Python/sympy notation in the answer side's notation: x**2 -> x^2, pi -> \\pi, I -> i, [1, 2] -> 1, 2."""
+    s = result.replace("**", "^")
+    s = re.sub(r"(?<![\\a-zA-Z])pi(?![a-zA-Z])", r"\\pi", s)
+    s = re.sub(r"(?<![\\a-zA-Z])(?:(\d)\*)?I(?![a-zA-Z])", r"\1i", s)  # 9*I -> 9i
+    if s.startswith("[") and s.endswith("]"):
+        s = s[1:-1]
+    return s
+
+
+def tool_agrees(result, answer):
+    """t_i equivalent to a_i. A float printed at machine precision (1/3 -> 0.3333333333333333) is a computed
+    double: it matches a rational answer within relative 1e-9; shorter decimals compare exactly (0.33 != 1/3)."""
+    if result is None:
+        return False
+    if is_equiv(result, answer):
+        return True
+    spelled = _python_spelling(result)
+    if spelled != result and is_equiv(spelled, answer):
+        return True
+    if _MACHINE_FLOAT.fullmatch(result):
+        try:
+            value = Fraction(answer_key(answer))
+        except (ValueError, ZeroDivisionError):
+            return False
+        return abs(float(result) - value) <= 1e-9 * max(1.0, abs(float(value)))
+    return False
+
+
+@dataclass
+class Verification:
+    """The verdict on one rollout."""
+    v: int                 # 1 when the tool's result is equivalent to the rollout's answer
+    status: str            # one of STATUSES_VERIFY
+    result: str | None     # the tool's result t_i
+    code: str | None       # the verifier's program
+    completion: str | None # the verifier's whole completion
+    output: str            # what the program printed
+    tokens: int | None     # verifier tokens generated for this rollout (None: the verifier does not say)
+    seconds: float         # verifier generation time for this rollout: the batch's wall time / rollouts sent
+    tool_seconds: float    # time the program ran
+    inferred: bool = False # True: not sent to the verifier; the outcome of its answer class (--verify-budget)
+
+
+class VerifierText(str):
+    """A verifier completion that also says how many tokens it took (a plain str otherwise)."""
+    def __new__(cls, text, num_tokens):
+        self = super().__new__(cls, text)
+        self.num_tokens = num_tokens
+        return self
+
+
+def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p=0.95, seed=None, backend="kv"):
+    """A verifier callable: list of user messages -> list of VerifierText, one batched sampler call.
+
+    Each message is put in the model's chat template after VERIFIER_SYSTEM. With a seed, call k of the
+    callable samples with seed + k, so repeated calls (training steps) differ but a run repeats."""
+    from sampler import generate  # torch is needed only once a model verifier is built
+    calls = 0
+
+    def verify(messages):
+        nonlocal calls
+        chats = [tokenizer.apply_chat_template([{"role": "system", "content": VERIFIER_SYSTEM},
+                                                {"role": "user", "content": m}], tokenize=False,
+                                               add_generation_prompt=True) for m in messages]
+        groups = generate(model, tokenizer, chats, n=1, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, seed=None if seed is None else seed + calls, backend=backend)
+        calls += 1
+        return [VerifierText(group[0].text, group[0].num_tokens) for group in groups]
+
+    return verify
+
+
+def _budget_plan(problems, answers, budget):
+    """Which rollouts go to the verifier, and for each other one the rollouts whose outcome it inherits:
+    per problem and answer class, the first `budget` rollouts are verified (all when budget is 0)."""
+    if budget == 0:
+        return [i for i, answer in enumerate(answers) if answer is not None], {}
+    by_problem = {}
+    for i, answer in enumerate(answers):
+        if answer is not None:
+            by_problem.setdefault(problems[i], []).append(i)
+    sent, heirs = [], {}
+    for indices in by_problem.values():
+        for members in answer_classes([answers[i] for i in indices], same_answer, answer_key):
+            members = [indices[m] for m in members]
+            chosen = members[:budget]
+            sent += chosen
+            heirs.update({i: chosen for i in members[len(chosen):]})
+    return sorted(sent), heirs
+
+
+def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=python_tool, budget=0):
+    """Tool-verify each rollout: one Verification per rollout, in order.
+
+    problems, rollouts, answers: one entry per rollout (answers from extract_answer; None -> no_answer,
+    without a verifier call). verifier: callable, list of user messages -> list of completions (see
+    model_verifier). sandbox: passed to the tool (None: a default pool). budget K > 0: per problem and
+    answer class only the first K rollouts are verified, the rest inherit the majority outcome of those K
+    (ties: 0) and are marked inferred=True."""
+    if not len(problems) == len(rollouts) == len(answers):
+        raise ValueError(f"verify_batch: problems ({len(problems)}), rollouts ({len(rollouts)}) and answers "
+                         f"({len(answers)}) need one entry per rollout")
+    if not isinstance(budget, int) or budget < 0:
+        raise ValueError(f"budget={budget!r}: pass K >= 1 rollouts per answer class, or 0 to verify all")
+    sent, heirs = _budget_plan(problems, answers, budget)
+    start = time.perf_counter()
+    completions = verifier([verifier_prompt(problems[i], rollouts[i]) for i in sent]) if sent else []
+    seconds = (time.perf_counter() - start) / max(1, len(sent))
+    if len(completions) != len(sent):
+        raise ValueError(f"the verifier returned {len(completions)} completions for {len(sent)} prompts")
+    codes = {i: extract_code(text) for i, text in zip(sent, completions)}
+    with_code = [i for i in sent if codes[i] is not None]
+    runs = dict(zip(with_code, tool([codes[i] for i in with_code], sandbox)))
+    results = [None] * len(rollouts)
+    for i, text in zip(sent, completions):
+        run = runs.get(i)
+        if run is None:
+            status = "no_code"
+        elif run.status == "ok":
+            status = "verified" if tool_agrees(run.result, answers[i]) else "mismatch"
+        else:
+            status = {"error": "exec_error", "timeout": "timeout", "hardcoded": "hardcoded"}[run.status]
+        results[i] = Verification(int(status == "verified"), status, run and run.result, codes[i], str(text),
+                                  run.output if run else "", getattr(text, "num_tokens", None), seconds,
+                                  run.seconds if run else 0.0)
+    for i, chosen in heirs.items():
+        outcomes = [results[j] for j in chosen]
+        v = int(2 * sum(r.v for r in outcomes) > len(outcomes))
+        like = next(r for r in outcomes if r.v == v)
+        results[i] = Verification(v, like.status, like.result, None, None, "", 0, 0.0, 0.0, inferred=True)
+    for i, answer in enumerate(answers):
+        if answer is None:
+            results[i] = Verification(0, "no_answer", None, None, None, "", 0, 0.0, 0.0)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------------
 # Benchmark: python verifier.py --bench-equiv
 
 def _string_match(pred, gold):
@@ -583,12 +901,96 @@ def bench_equiv(path=EQUIV_CASES):
             print(f"  {'FP' if not case['equal'] else 'FN'} [{case['category']}] pred={case['pred']!r} gold={case['gold']!r}")
 
 
+# ----------------------------------------------------------------------------------------------------
+# python verifier.py --measure / --demo: the embedded 0.5B model as verifier
+
+SOLUTION = ("Working through the problem step by step, the computation gives {answer}.\n\n"
+            "The final answer is $\\boxed{{{answer}}}$.")
+DATA_DIR = os.environ.get("T3RL_DATA_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data"))
+
+
+def easy_math500(count, path=os.path.join(DATA_DIR, "math500.jsonl")):
+    """The first `count` MATH-500 problems of levels 1-3, in file order."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: not found; set T3RL_DATA_DIR to the folder holding math500.jsonl")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [r for r in rows if int(r["level"]) <= 3][:count]
+
+
+def wrong_answer(problem, gold):
+    """A plausible wrong answer: gold + 1 when gold is a number, else the first number in the problem
+    that is not gold."""
+    try:
+        return _fraction_str(Fraction(answer_key(gold)) + 1)
+    except (ValueError, ZeroDivisionError):
+        pass
+    return next((n for n in re.findall(r"\d+", problem) if not same_answer(n, gold)), "0")
+
+
+def _embedded_verifier(max_new_tokens, seed):
+    from model import load_model
+    model, tokenizer = load_model("embedded")
+    return model_verifier(model, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+
+
+def measure(count, max_new_tokens, seed):
+    """Verify a correct and a wrong short solution per problem; print verified shares and costs."""
+    records = easy_math500(count)
+    problems, rollouts, answers, kinds = [], [], [], []
+    for r in records:
+        for kind, answer in (("correct", r["answer"]), ("wrong", wrong_answer(r["problem"], r["answer"]))):
+            problems.append(r["problem"])
+            rollouts.append(SOLUTION.format(answer=answer))
+            answers.append(answer)
+            kinds.append(kind)
+    verifier = _embedded_verifier(max_new_tokens, seed)
+    print(f"verifying {len(rollouts)} rollouts ({count} MATH-500 problems of levels 1-3, a correct and a wrong "
+          f"answer each) with the embedded model, one batched call of up to {max_new_tokens} new tokens ...")
+    start = time.perf_counter()
+    results = verify_batch(problems, rollouts, answers, verifier)
+    wall = time.perf_counter() - start
+    print(f"\n{'answers':<9}{'rollouts':>9}{'verified':>10}   " + "".join(f"{s:>11}" for s in STATUSES_VERIFY[1:]))
+    for kind in ("correct", "wrong"):
+        mine = [r for r, k in zip(results, kinds) if k == kind]
+        counts = [sum(r.status == s for r in mine) for s in STATUSES_VERIFY[1:]]
+        share = sum(r.v for r in mine) / len(mine)
+        print(f"{kind:<9}{len(mine):>9}{share:>9.0%}   " + "".join(f"{c:>11}" for c in counts))
+    tokens = [r.tokens for r in results]
+    print(f"\nverifier: {sum(tokens) / len(tokens):.0f} tokens and {results[0].seconds:.1f} s per rollout "
+          f"(batch wall time / rollouts); sandbox: {1000 * sum(r.tool_seconds for r in results) / len(results):.0f} ms "
+          f"per program; whole batch {wall:.0f} s")
+
+
+def demo(max_new_tokens, seed):
+    """One problem, its rollout, the verifier's program, the sandbox output and the verdict."""
+    record = easy_math500(1)[0]
+    rollout = SOLUTION.format(answer=record["answer"])
+    result = verify_batch([record["problem"]], [rollout], [extract_answer(rollout)],
+                          _embedded_verifier(max_new_tokens, seed))[0]
+    for title, text in (("problem", record["problem"]), ("rollout", rollout), ("program", result.code or
+                        result.completion), ("sandbox output", result.output)):
+        print(f"--- {title}\n{(text or '').strip()}\n")
+    print(f"--- verdict\nv = {result.v} ({result.status}): tool result {result.result!r}, answer "
+          f"{extract_answer(rollout)!r}; {result.tokens} verifier tokens in {result.seconds:.1f} s")
+
+
 if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bench-equiv", action="store_true", help="measure is_equiv on data/equiv_cases.jsonl")
+    parser.add_argument("--measure", action="store_true",
+                        help="verify correct and wrong answers to MATH-500 problems with the embedded model")
+    parser.add_argument("--demo", action="store_true", help="verify one rollout with the embedded model, step by step")
+    parser.add_argument("--problems", type=int, default=30, help="--measure: number of problems (default 30)")
+    parser.add_argument("--max-new-tokens", type=int, default=1024, help="verifier generation limit (default 1024)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the verifier (default 0)")
     args = parser.parse_args()
     if args.bench_equiv:
         bench_equiv()
+    elif args.measure:
+        measure(args.problems, args.max_new_tokens, args.seed)
+    elif args.demo:
+        demo(args.max_new_tokens, args.seed)
     else:
         parser.print_help()

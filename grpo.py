@@ -1,0 +1,516 @@
+"""GRPO: the policy update of test-time RL, exact and memory-lean.
+
+For each question q the sampling policy pi_old produced a group of M responses o_1..o_M with rewards
+r_1..r_M (in T3RL: agreement with the verification-weighted vote). GRPO needs no value model: a
+response's advantage is its reward standardised within its group, shared by all of its tokens,
+
+    A_i = (r_i - mean(r_1..r_M)) / (std(r_1..r_M) + eps)        std: unbiased (torch.std)
+    A_i =  r_i - mean(r_1..r_M)                                  (scale=False, Dr. GRPO)
+
+and a group whose rewards are all equal teaches nothing (A = 0). The update minimises
+
+    rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
+    d_it   = log pi_ref(o_it | ...) - log pi_theta(o_it | ...)
+    l_it   = -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) + beta (exp(d_it) - d_it - 1)
+    L      = AGG_{i,t} l_it                                      over valid response tokens t of o_i
+
+with B responses in the batch, |o_i| their lengths and AGG one of
+
+    token-mean                 sum_it l_it / sum_i |o_i|
+    seq-mean-token-mean        (1/B) sum_i (1/|o_i|) sum_t l_it
+    seq-mean-token-sum-norm    sum_it l_it / (B * L_max)         (Dr. GRPO, L_max = max new tokens)
+
+The KL term is the k3 estimator (always >= 0); the paper uses beta = 0, so by default there is no
+reference model. With one update per batch pi_old is the current policy (rho = 1, the clip never
+binds) and the gradient is the plain policy gradient -AGG A_i grad log pi_theta(o_it).
+
+Exact: a batch is processed in micro-batches that fit a token budget, and micro-batch k's loss is
+weighted by its share of L's normaliser (its valid tokens for token-mean, its sequences otherwise),
+summed over all processes under DDP, so the accumulated gradient is the full batch's gradient.
+
+Memory-lean: with a 152k vocabulary the logits dominate memory ([8, 512, 152k] is 2.5 GB in bfloat16,
+5 GB per float32 copy). token_logprobs never builds them: it takes the final hidden states, applies the
+output head to a chunk of response rows at a time (logsumexp plus gather, in float32), and its backward
+recomputes each chunk's logits instead of keeping them. Weights stay
+float32 (master weights) under bfloat16 autocast: the paper's learning rate 5e-7 is below bfloat16's
+resolution near 1 (2^-8), so updates applied to bfloat16 weights would round away.
+
+    optimizer = make_optimizer(model, lr=5e-7)
+    scheduler = cosine_schedule(optimizer, total_steps=100, warmup_steps=0)
+    metrics = grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_size=8)
+
+`python grpo.py --bench` times one update of the embedded 0.5B model (see bench below).
+"""
+import math
+import time
+from contextlib import nullcontext
+from functools import partial
+
+import torch
+
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+# ----------------------------------------------------------------------------- pure tensor functions
+
+def group_advantages(rewards, group_size: int, scale: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages [B] (float32) from rewards [B] laid out group after group (B = groups x group_size)."""
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards: expected a flat list of B values, got shape {tuple(rewards.shape)}")
+    if group_size < 2 or rewards.numel() % group_size:
+        raise ValueError(f"rewards: {rewards.numel()} values do not split into groups of group_size={group_size}; "
+                         f"pass whole groups of at least 2 responses")
+    groups = rewards.view(-1, group_size)                                        # [G, M]
+    advantages = groups - groups.mean(dim=1, keepdim=True)                       # [G, M]
+    if scale:
+        advantages = advantages / (groups.std(dim=1, keepdim=True) + eps)
+    # exactly zero, not mean-rounding noise: an all-equal group must not move the policy
+    tied = groups.amax(dim=1, keepdim=True) == groups.amin(dim=1, keepdim=True)  # [G, 1]
+    return torch.where(tied, 0.0, advantages).view(-1)
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean", norm_len: int | None = None):
+    """Reduce per-token values [B, T] over the valid tokens (mask [B, T]) to a scalar, by name (see top)."""
+    mask = mask.to(values.dtype)
+    total = values * mask                                                        # [B, T]
+    if agg == "token-mean":
+        return total.sum() / mask.sum().clamp(min=1)
+    if agg == "seq-mean-token-mean":
+        return (total.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    if agg == "seq-mean-token-sum-norm":
+        return total.sum() / (values.shape[0] * norm_len)
+    raise ValueError(f"agg={agg!r}: use one of {', '.join(AGGREGATIONS)}")
+
+
+def _check_aggregation(agg: str, norm_len: int | None):
+    if agg not in AGGREGATIONS:
+        raise ValueError(f"agg={agg!r}: use one of {', '.join(AGGREGATIONS)}")
+    if agg == "seq-mean-token-sum-norm" and not (norm_len and norm_len > 0):
+        raise ValueError(f"agg={agg!r} needs norm_len > 0 (the max new tokens of the rollouts), got {norm_len!r}")
+
+
+def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
+                ref_logp=None, kl_coef=0.0, norm_len=None):
+    """The clipped GRPO loss L (see top) and its statistics.
+
+    logp, old_logp, ref_logp, mask: [B, T] over response tokens; advantages: [B].
+    Returns (loss, stats); stats are detached token-means over valid tokens: clip_low and clip_high (share
+    of tokens whose gradient the clip cuts: rho < 1 - eps_low with A < 0, rho > 1 + eps_high with A > 0),
+    approx_kl (k3 estimate of KL(pi_old || pi_theta)), ratio (mean rho), and kl_ref when kl_coef > 0.
+    """
+    if not (logp.shape == old_logp.shape == mask.shape) or advantages.shape != logp.shape[:1]:
+        raise ValueError(f"policy_loss: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
+                         f"{tuple(mask.shape)} must be [B, T] and advantages {tuple(advantages.shape)} must be [B]")
+    _check_aggregation(agg, norm_len)
+    if kl_coef > 0 and (ref_logp is None or ref_logp.shape != logp.shape):
+        raise ValueError("policy_loss: kl_coef > 0 needs ref_logp of the same shape [B, T] as logp")
+    valid = mask.bool()                                                          # [B, T]
+    # padding may hold anything; zero its log-ratio so exp() stays finite and its gradient is exactly 0
+    log_ratio = torch.where(valid, logp - old_logp, 0.0)                        # [B, T]
+    ratio = torch.exp(log_ratio)                                                 # [B, T]
+    adv = advantages[:, None].to(ratio.dtype)                                    # [B, 1]
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)  # [B, T]
+    if kl_coef > 0:
+        ref_gap = torch.where(valid, ref_logp - logp, 0.0)                       # [B, T]
+        kl_ref = torch.exp(ref_gap) - ref_gap - 1                                # [B, T], k3
+        per_token = per_token + kl_coef * kl_ref
+    loss = aggregate(per_token, valid, agg, norm_len)
+
+    with torch.no_grad():
+        def token_mean(x):
+            return aggregate(x.float(), valid, "token-mean")
+        stats = {"clip_low": token_mean((ratio < 1 - clip_low) & (adv < 0)),
+                 "clip_high": token_mean((ratio > 1 + clip_high) & (adv > 0)),
+                 "approx_kl": token_mean(ratio - 1 - log_ratio),
+                 "ratio": token_mean(ratio)}
+        if kl_coef > 0:
+            stats["kl_ref"] = token_mean(kl_ref)
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------- log-probabilities
+
+def _unwrap(model):
+    """The transformers model inside DDP / accelerate wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+class HeadLogprobs(torch.autograd.Function):
+    """log p(target) and entropy of softmax(hidden @ weight.T), chunk_rows rows at a time.
+
+    hidden [N, H], weight [V, H], targets [N] -> (logp [N], entropy [N]) in float32. The [rows, V] logits
+    exist one chunk at a time, in float32; the backward recomputes them per chunk and forms the logits'
+    gradient in place, (onehot(target) - softmax) * grad, so a chunk needs one float32 [rows, V] buffer.
+    Matmuls run in `dtype` (bfloat16 under autocast) with the weight cast once per pass; entropy is a
+    statistic and gets no gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk_rows, dtype):
+        w = weight.to(dtype)                                                     # [V, H]
+        logp, entropy, lse = (torch.empty(len(targets), device=hidden.device) for _ in range(3))
+        # dtypes are explicit here; autocast would also run the entropy's dot product in bfloat16
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, len(targets), chunk_rows):
+                rows = slice(start, start + chunk_rows)
+                log_probs = (hidden[rows].to(dtype) @ w.T).float()               # [n, V]
+                lse[rows] = torch.logsumexp(log_probs, dim=-1)
+                log_probs.sub_(lse[rows, None])
+                logp[rows] = log_probs.gather(-1, targets[rows, None]).squeeze(-1)
+                # -sum p log p as a batched dot product: no [n, V] product buffer
+                entropy[rows] = -(log_probs.exp()[:, None, :] @ log_probs[:, :, None]).view(-1)
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.chunk_rows, ctx.dtype = chunk_rows, dtype
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, lse = ctx.saved_tensors
+        w = weight.to(ctx.dtype)                                                 # [V, H]
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight) if ctx.needs_input_grad[1] else None
+        for start in range(0, len(targets), ctx.chunk_rows):
+            rows = slice(start, start + ctx.chunk_rows)
+            h = hidden[rows].to(ctx.dtype)                                       # [n, H]
+            grad_logits = (h @ w.T).float()                                      # [n, V]
+            grad_logits.sub_(lse[rows, None]).exp_().mul_(-grad_logp[rows, None])  # -softmax * grad
+            grad_logits[torch.arange(len(h), device=h.device), targets[rows]] += grad_logp[rows]
+            grad_logits = grad_logits.to(ctx.dtype)
+            if grad_hidden is not None:
+                grad_hidden[rows] = (grad_logits @ w).to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight += grad_logits.T @ h
+        return grad_hidden, grad_weight, None, None, None
+
+
+def token_logprobs(model, input_ids, attention_mask, response_mask, chunk_rows: int = 256):
+    """(logp, entropy), each [B, T] float32: log pi(x_t | x_<t) and the entropy of pi(. | x_<t) at the
+    positions where response_mask [B, T] is set, 0 elsewhere. One forward of the model body; the output
+    head runs on chunks of chunk_rows response rows, so no [B, T, vocab] tensor is ever built."""
+    response = response_mask.bool()                                              # [B, T]
+    if response[:, 0].any():
+        raise ValueError("response_mask: the first position has no context to predict it from; "
+                         "every sequence needs at least one prompt token")
+    head = _unwrap(model).get_output_embeddings()                                # tied or untied alike
+    if getattr(head, "bias", None) is not None:
+        raise ValueError(f"token_logprobs: output heads with a bias are not supported ({type(head).__name__})")
+    # logits_to_keep=1: the model itself computes logits for the last position only
+    out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
+                output_hidden_states=-1, use_cache=False)
+    hidden = out.hidden_states[-1]                                               # [B, T, H], after the final norm
+    rows = response[:, 1:]                                                       # [B, T-1]: position t-1 predicts t
+    device = input_ids.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
+    logp_rows, entropy_rows = HeadLogprobs.apply(hidden[:, :-1][rows], head.weight, input_ids[:, 1:][rows],
+                                                 chunk_rows, dtype)             # [N], [N]
+    zeros = torch.zeros(response.shape, dtype=torch.float32, device=input_ids.device)
+    # masked_scatter fills row-major, the same order boolean indexing read the rows in
+    return zeros.masked_scatter(response, logp_rows), zeros.masked_scatter(response, entropy_rows)
+
+
+# ----------------------------------------------------------------------------- batches
+
+def pad_batch(prompts, completions, device=None):
+    """Right-padded (input_ids long, attention_mask long, response_mask bool), each [B, T], from lists of
+    prompt and completion token ids (T = longest prompt + completion; padding is masked out)."""
+    if len(prompts) != len(completions):
+        raise ValueError(f"pad_batch: {len(prompts)} prompts but {len(completions)} completions; pass one of each per rollout")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"prompts[{i}] is empty; every rollout needs at least one prompt token as context")
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    input_ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    response_mask = torch.zeros_like(input_ids, dtype=torch.bool)
+    for i, (prompt, completion) in enumerate(zip(prompts, completions)):
+        input_ids[i, :lengths[i]] = torch.tensor(list(prompt) + list(completion), dtype=torch.long)
+        attention_mask[i, :lengths[i]] = 1
+        response_mask[i, len(prompt):lengths[i]] = True
+    return input_ids.to(device), attention_mask.to(device), response_mask.to(device)
+
+
+def micro_batches(lengths, token_budget: int) -> list[list[int]]:
+    """Indices split into micro-batches whose padded size (rows x longest) fits token_budget. Longest first,
+    so neighbours have similar lengths and little padding; a sequence over the budget goes alone."""
+    batches = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+# ----------------------------------------------------------------------------- optimiser and schedule
+
+def make_optimizer(model, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.999)):
+    """AdamW over the trainable parameters; matrices decay, vectors (norms, biases) do not. Fused where
+    torch has a fused kernel for the parameters' device."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [g for g in groups if g["params"]]
+    try:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+    except RuntimeError:  # raised at construction for devices without fused kernels
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def cosine_schedule(optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0):
+    """LambdaLR: linear warmup to the peak lr over warmup_steps (first step already nonzero), then cosine
+    decay to min_lr_ratio x peak at total_steps; flat after."""
+    if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
+        raise ValueError(f"cosine_schedule: need total_steps >= 1 and 0 <= warmup_steps <= total_steps, "
+                         f"got total_steps={total_steps}, warmup_steps={warmup_steps}")
+
+    def multiplier(step):
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
+
+
+# ----------------------------------------------------------------------------- the update
+
+def bf16_supported(device: torch.device) -> bool:
+    """Whether bfloat16 autocast runs natively: GPUs with bf16, CPUs with AVX-512 BF16 or AMX."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":  # torch has no public query for these CPU features
+        return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return False
+
+
+def grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_size: int, *,
+              accelerator=None, ref_model=None, kl_coef: float = 0.0, clip_low: float = 0.2,
+              clip_high: float = 0.2, agg: str = "token-mean", norm_len: int | None = None,
+              scale_advantages: bool = True, updates_per_batch: int = 1, token_budget: int = 2048,
+              max_grad_norm: float = 1.0, bf16: bool | None = None, gradient_checkpointing: bool = False,
+              chunk_rows: int = 256) -> dict:
+    """One GRPO optimisation step (updates_per_batch steps of optimizer and scheduler) on a batch of rollouts.
+
+    prompts, completions: lists of token-id lists (a completion ends with EOS when it stopped there);
+    rewards: [B] group after group, B = groups x group_size. model holds float32 weights, plain or
+    prepared by `accelerator`; bf16=None autocasts to bfloat16 where the device supports it. Micro-batches
+    hold at most token_budget padded tokens. Returns float metrics (under DDP: this process's rollouts,
+    except loss, which is the whole batch's).
+    """
+    started = time.perf_counter()
+    if not len(prompts) == len(completions) == len(rewards):
+        raise ValueError(f"grpo_step: {len(prompts)} prompts, {len(completions)} completions and {len(rewards)} "
+                         f"rewards; pass one of each per rollout")
+    if updates_per_batch < 1:
+        raise ValueError(f"updates_per_batch={updates_per_batch}: must be >= 1")
+    if kl_coef > 0 and ref_model is None:
+        raise ValueError("grpo_step: kl_coef > 0 needs ref_model (the frozen initial policy)")
+    _check_aggregation(agg, norm_len)
+    device = accelerator.device if accelerator is not None else next(model.parameters()).device
+    processes = accelerator.num_processes if accelerator is not None else 1
+    bf16 = bf16_supported(device) if bf16 is None else bf16
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16)
+
+    advantages = group_advantages(rewards, group_size, scale=scale_advantages).to(device)   # [B]
+    zero_groups = (advantages.view(-1, group_size) == 0).all(dim=1).float().mean()
+    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
+    batches = []
+    for index in micro_batches(lengths, token_budget):
+        input_ids, attention_mask, response_mask = pad_batch([prompts[i] for i in index],
+                                                             [completions[i] for i in index], device)
+        batches.append({"input_ids": input_ids, "attention_mask": attention_mask,
+                        "response_mask": response_mask, "advantages": advantages[index]})
+
+    # each micro-batch's share of the loss normaliser, summed over processes (DDP averages gradients)
+    def size(b):
+        return b["response_mask"].sum() if agg == "token-mean" else torch.tensor(len(b["advantages"]), device=device)
+    total = sum(size(b) for b in batches).float()
+    if processes > 1:
+        total = accelerator.reduce(total, reduction="sum")
+    for b in batches:
+        b["weight"] = size(b) * processes / total.clamp(min=1)
+
+    core = _unwrap(model)
+    if core.is_activation_checkpointing != gradient_checkpointing:
+        if gradient_checkpointing:
+            core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            core.activation_checkpointing_disable()
+    was_training = model.training
+    model.train()
+
+    with torch.no_grad(), autocast():
+        for b in batches:
+            inputs = (b["input_ids"], b["attention_mask"], b["response_mask"])
+            if updates_per_batch > 1:  # the behaviour policy, fixed before the first update
+                b["old_logp"] = token_logprobs(model, *inputs, chunk_rows=chunk_rows)[0]
+            if kl_coef > 0:
+                b["ref_logp"] = token_logprobs(ref_model, *inputs, chunk_rows=chunk_rows)[0]
+
+    response_tokens = sum(b["response_mask"].sum() for b in batches).float()
+    sums = {}  # statistic -> sum over updates of its token-weighted total
+    loss_sum, grad_norm_sum, lr_sum = 0.0, 0.0, 0.0
+    for _ in range(updates_per_batch):
+        loss_total = torch.zeros((), device=device)
+        for k, b in enumerate(batches):
+            last = k == len(batches) - 1
+            # gradients are all-reduced once, on the last micro-batch
+            sync = nullcontext() if last else (accelerator.no_sync(model) if accelerator is not None
+                                               else getattr(model, "no_sync", nullcontext)())
+            with sync:
+                with autocast():
+                    logp, entropy = token_logprobs(model, b["input_ids"], b["attention_mask"],
+                                                   b["response_mask"], chunk_rows=chunk_rows)
+                    loss, stats = policy_loss(logp, b.get("old_logp", logp.detach()), b["advantages"],
+                                              b["response_mask"], clip_low, clip_high, agg,
+                                              b.get("ref_logp"), kl_coef, norm_len)
+                    weighted = loss * b["weight"]
+                if accelerator is not None:
+                    accelerator.backward(weighted)
+                else:
+                    weighted.backward()
+            loss_total += weighted.detach()
+            stats["entropy"] = aggregate(entropy, b["response_mask"], "token-mean")
+            tokens = b["response_mask"].sum()
+            for name, value in stats.items():
+                sums[name] = sums.get(name, 0.0) + value * tokens
+        if processes > 1:
+            loss_total = accelerator.reduce(loss_total, reduction="mean")
+        params = [p for p in model.parameters() if p.requires_grad]
+        clip = accelerator.clip_grad_norm_ if accelerator is not None else torch.nn.utils.clip_grad_norm_
+        grad_norm = clip(params, max_grad_norm)
+        lr_sum += optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum += loss_total
+        grad_norm_sum += grad_norm
+
+    model.train(was_training)
+    metrics = {"loss": loss_sum / updates_per_batch,
+               "adv_mean": advantages.mean(), "adv_std": advantages.std(), "zero_adv_groups": zero_groups,
+               **{name: value / (response_tokens.clamp(min=1) * updates_per_batch) for name, value in sums.items()},
+               "grad_norm": grad_norm_sum / updates_per_batch, "lr": lr_sum / updates_per_batch,
+               "tokens": sum(lengths), "response_tokens": response_tokens}
+    metrics = {name: float(value) for name, value in metrics.items()}
+    metrics["seconds"] = time.perf_counter() - started
+    return metrics
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+BENCH_CONFIGS = {  # name -> (bf16 autocast, gradient checkpointing); "hf-baseline" is the plain reference
+    "hf-baseline": (True, True),
+    "bf16+ckpt": (True, True),
+    "bf16": (True, False),
+    "fp32+ckpt": (False, True),
+    "fp32": (False, False),
+}
+
+
+def matmul_flops_per_second(dtype, rows=4096, inner=896, cols=4864, repeats=5) -> float:
+    """Best measured rate of a model-shaped matmul ([tokens, hidden] x [hidden, mlp]); the best of several
+    runs, since other processes on a shared machine only ever slow one down."""
+    a, b = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, cols, dtype=dtype)
+    a @ b
+    best = math.inf
+    for _ in range(repeats):
+        started = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - started)
+    return 2 * rows * inner * cols / best
+
+
+def bench_rollouts(sequences=8, length=512, prompt_len=64, group_size=4, seed=0):
+    """Random token rollouts of a fixed length, rewards 1 for half of each group."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 150000, (sequences, length), generator=generator).tolist()
+    rewards = [float(i % 2) for i in range(sequences)]
+    return [s[:prompt_len] for s in ids], [s[prompt_len:] for s in ids], rewards, group_size
+
+
+def bench_config(name: str) -> dict:
+    """One update of the embedded model in this (fresh) process; peak memory is this process's max RSS."""
+    import resource
+    from model import load_model
+    model, _ = load_model("embedded")
+    prompts, completions, rewards, group_size = bench_rollouts()
+    bf16, ckpt = BENCH_CONFIGS[name]
+    if name == "hf-baseline":  # full logits, float32 log-softmax, no optimizer step
+        model.train()
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        input_ids, attention_mask, response_mask = pad_batch(prompts, completions)
+        advantages = group_advantages(rewards, group_size)
+        started = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+            loss = aggregate(-logp * advantages[:, None], response_mask[:, 1:])
+        loss.backward()
+        seconds = time.perf_counter() - started
+    else:
+        optimizer = make_optimizer(model, lr=5e-7)
+        scheduler = cosine_schedule(optimizer, total_steps=100)
+        # allocate the AdamW moments first, so the measured update is a steady-state one
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        seconds = grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_size,
+                            bf16=bf16, gradient_checkpointing=ckpt)["seconds"]
+    return {"name": name, "seconds": seconds, "tokens": sum(len(p) + len(c) for p, c in zip(prompts, completions)),
+            "params": sum(p.numel() for p in model.parameters()),
+            "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
+
+
+def bench(names):
+    """Each configuration in a fresh subprocess (honest peak memory), then a table side by side."""
+    import json
+    import subprocess
+    import sys
+    from tqdm import tqdm
+    rates = {"bf16": matmul_flops_per_second(torch.bfloat16), "fp32": matmul_flops_per_second(torch.float32)}
+    results = []
+    for name in tqdm(names, desc="configurations"):
+        run = subprocess.run([sys.executable, __file__, "--bench-config", name], capture_output=True, text=True)
+        if run.returncode:
+            raise SystemExit(f"--bench-config {name} failed:\n{run.stderr[-2000:]}")
+        results.append(json.loads(run.stdout.strip().splitlines()[-1]))
+    params, tokens = results[0]["params"], results[0]["tokens"]
+    floors = {kind: 6 * params * tokens / rate for kind, rate in rates.items()}
+    baseline = next((r for r in results if r["name"] == "hf-baseline"), None)
+    print(f"\none update, embedded model ({params / 1e6:.0f}M parameters), 8 x 512 tokens; matmul rate "
+          f"bf16 {rates['bf16'] / 1e9:.0f} GFLOP/s, fp32 {rates['fp32'] / 1e9:.0f} GFLOP/s; floor = 6 x params x "
+          f"tokens / rate: bf16 {floors['bf16']:.0f} s, fp32 {floors['fp32']:.0f} s")
+    print("AdamW moments (8 bytes/param) are included in peak for every row but hf-baseline (forward+backward only)")
+    print(f"{'config':<12} {'seconds':>8} {'tok/s':>7} {'x floor':>8} {'x base':>7} {'peak GB':>8} {'w/o moments':>12}")
+    for r in results:
+        floor = floors["bf16" if BENCH_CONFIGS[r["name"]][0] else "fp32"]
+        moments = 0.0 if r["name"] == "hf-baseline" else 8 * params / 2**30
+        versus = f"{r['seconds'] / baseline['seconds']:.2f}" if baseline else "-"
+        print(f"{r['name']:<12} {r['seconds']:>8.1f} {r['tokens'] / r['seconds']:>7.1f} {r['seconds'] / floor:>8.2f} "
+              f"{versus:>7} {r['peak_gb']:>8.1f} {r['peak_gb'] - moments:>12.1f}")
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+    parser = argparse.ArgumentParser(description="GRPO update benchmark on the embedded model.")
+    parser.add_argument("--bench", action="store_true", help="time and measure one update per configuration")
+    parser.add_argument("--configs", default=",".join(BENCH_CONFIGS), help="comma-separated subset of: "
+                        + ", ".join(BENCH_CONFIGS))
+    parser.add_argument("--bench-config", choices=list(BENCH_CONFIGS), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bench_config:
+        print(json.dumps(bench_config(args.bench_config)))
+    elif args.bench:
+        unknown = set(args.configs.split(",")) - set(BENCH_CONFIGS)
+        if unknown:
+            parser.error(f"--configs: unknown {', '.join(sorted(unknown))}; use names from {', '.join(BENCH_CONFIGS)}")
+        bench(args.configs.split(","))
+    else:
+        parser.print_help()
