@@ -16,18 +16,32 @@ Run it:
     accelerate launch t3rl.py --bench math500       # the paper's setting on GPUs
 """
 import argparse
+import hashlib
 import json
 import math
 import os
+import random
+import shutil
 import sys
+import time
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from model import ModelLoadError, load_model  # noqa: F401  (load_model is part of t3rl's public API)
+from accelerate.utils import gather_object
+from tqdm import tqdm
+
+from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
+from model import ModelLoadError, load_model
+from sampler import generate
+from sandbox import SandboxPool
+from verifier import answer_key, extract_answer, is_equiv, model_verifier, same_answer, verify_batch
+from voting import group_metrics, rewards, weighted_vote
 
 ROOT = Path(__file__).resolve().parent
+# answers vote together when their canonical keys match (cheap) or they are mathematically equivalent
+ANSWER_CLASSES = dict(key=answer_key, same=same_answer)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Benchmarks
@@ -119,3 +133,588 @@ def load_bench(name: str, fetch=fetch_hub_rows) -> list[dict]:
     tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     os.replace(tmp, local)
     return records
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configuration: plain defaults (the paper's loop settings), presets on top, then the command line.
+
+def opt(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class Config:
+    # what to train
+    bench: str = opt("demo", "benchmark: " + " | ".join(BENCHES))
+    limit: int = opt(0, "use only the first LIMIT questions of the benchmark (0 = all)")
+    model: str = opt("embedded", "policy: Hub id, local folder, .gguf file, or 'embedded' (offline Qwen2.5-Coder-0.5B-Instruct)")
+    verifier_model: str = opt("self", "verifier LLM: 'self' = frozen copy of the policy's starting weights, or any --model value")
+    preset: str = opt("auto", "auto (cpu without a GPU, paper with one) | paper | cpu | none; explicit options override it")
+    # test-time RL
+    n_votes: int = opt(64, "N: rollouts sampled per question for the vote")
+    n_train: int = opt(32, "M: rollouts per question kept (at random) for the GRPO update ('vote then sample')")
+    questions_per_step: int = opt(8, "questions per step, all processes together")
+    episodes: int = opt(10, "passes over the benchmark (paper: 10 MATH-500, 30 AMC, 80 AIME 2024)")
+    max_steps: int = opt(0, "stop after this many steps (0 = as many as the episodes take)")
+    temperature: float = opt(0.6, "policy sampling temperature")
+    top_p: float = opt(0.95, "policy nucleus sampling mass")
+    max_new_tokens: int = opt(2560, "policy tokens per rollout")
+    backend: str = opt("kv", "sampler backend: kv (hand-written KV-cache sampler) | hf (transformers generate)")
+    sample_dtype: str = opt("auto", "sampling compute dtype: auto (bfloat16 where supported) | float32 | bfloat16")
+    # verification
+    verify: bool = opt(True, "tool-verify rollouts (--no-verify is TTRL, without the verifier's cost)")
+    omega: float = opt(5.0, "vote weight of a verified rollout: 1 = TTRL, inf = hard filtering")
+    verify_budget: int = opt(0, "verify at most K rollouts per answer class, the rest inherit (0 = verify all)")
+    verifier_max_new_tokens: int = opt(1024, "verifier tokens per program")
+    verifier_temperature: float = opt(0.6, "verifier sampling temperature")
+    sandbox_timeout: float = opt(5.0, "seconds each verifier program may run")
+    # optimisation (GRPO)
+    lr: float = opt(5e-7, "peak learning rate (AdamW, cosine schedule)")
+    warmup_ratio: float = opt(0.0, "share of steps spent warming the learning rate up")
+    weight_decay: float = opt(0.01, "AdamW weight decay")
+    clip: float = opt(0.2, "PPO ratio clip range (both sides)")
+    kl_coef: float = opt(0.0, "KL penalty to the starting policy (paper: 0)")
+    loss_agg: str = opt("token-mean", "loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum-norm")
+    micro_batch_tokens: int = opt(8192, "tokens per micro-batch (gradient accumulation over the rest)")
+    grad_checkpointing: bool = opt(True, "recompute activations in the backward pass to save memory")
+    bf16: bool = opt(True, "bfloat16 autocast over float32 master weights where the hardware supports it")
+    # evaluation and bookkeeping
+    eval_every: int = opt(0, "evaluate every K steps (0 = only before and after training)")
+    eval_samples: int = opt(4, "k for avg@k and maj@k (paper: 16 for AIME 2024, 4 otherwise; 0 = greedy only)")
+    save_every: int = opt(10, "checkpoint every K steps (and at the end)")
+    out_dir: str = opt("runs", "folder that holds the run folders")
+    run_name: str = opt("", "run folder name (default: bench-method-time)")
+    seed: int = opt(0, "seed for sampling, downsampling and initialisation")
+    resume: str = opt("", "continue the run in this folder from its last checkpoint")
+    eval_only: bool = opt(False, "evaluate the starting policy and stop: the baseline, no training")
+
+
+PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
+PRESETS = {
+    "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
+    "cpu": dict(bench="demo", n_votes=8, n_train=4, questions_per_step=4, max_steps=4, max_new_tokens=200,
+                verifier_max_new_tokens=200, lr=2e-6, eval_samples=0, save_every=2, micro_batch_tokens=4096),
+    "none": {},
+}
+
+
+def parse_config(argv=None) -> Config:
+    """Defaults, then the preset, then explicit options. Unknown options are an error."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool or f.type == "bool":
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
+    parser.add_argument("--replay", metavar="RUN_DIR", help="recompute pseudo-labels from a run's saved rollouts for each "
+                        "--omega given (several allowed) and print the ablation table; loads no model")
+    given = _explicit_options(parser, argv)
+    args = parser.parse_args(argv)
+    if args.replay:
+        return args
+    cfg = Config()
+    if args.resume:
+        saved = json.loads((Path(args.resume) / "config.json").read_text())
+        cfg = Config(**{k: v for k, v in saved.items() if k in {f.name for f in fields(Config)}})
+        cfg.resume = args.resume
+    else:
+        preset = args.preset if args.preset != "auto" else ("paper" if _has_gpu() else "cpu")
+        if preset not in PRESETS:
+            parser.error(f"--preset {args.preset}: choose auto, {', '.join(PRESETS)}")
+        for key, value in PRESETS[preset].items():
+            setattr(cfg, key, value)
+        bench = args.bench if "bench" in given else cfg.bench
+        if preset == "paper":
+            cfg.episodes = PAPER_EPISODES.get(bench, cfg.episodes)
+            cfg.eval_samples = 16 if bench == "aime2024" else 4
+        cfg.preset = preset
+    for key in given:
+        setattr(cfg, key, getattr(args, key))
+    _check_config(cfg, parser)
+    return cfg
+
+
+def _explicit_options(parser, argv) -> set[str]:
+    """Names of the options the user typed (so a preset never overrides them)."""
+    shadow = argparse.ArgumentParser(add_help=False)
+    for action in parser._actions:
+        if action.option_strings and action.dest != "help":
+            kwargs = {"nargs": action.nargs} if action.nargs else {}
+            if isinstance(action, argparse.BooleanOptionalAction):
+                shadow.add_argument(*action.option_strings, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+            else:
+                shadow.add_argument(*action.option_strings, dest=action.dest, default=argparse.SUPPRESS, **kwargs)
+    known, _ = shadow.parse_known_args(argv)
+    return set(vars(known)) - {"preset"}
+
+
+def _check_config(cfg: Config, parser):
+    if cfg.bench not in BENCHES:
+        parser.error(f"--bench {cfg.bench}: choose one of {', '.join(BENCHES)}")
+    if not 1 <= cfg.n_train <= cfg.n_votes:
+        parser.error(f"--n-train {cfg.n_train}: must be between 1 and --n-votes ({cfg.n_votes})")
+    if cfg.n_train < 2:
+        parser.error("--n-train must be at least 2: GRPO compares rollouts within a group")
+    if cfg.omega < 1:
+        parser.error(f"--omega {cfg.omega}: must be >= 1 (1 = TTRL, inf = hard filtering)")
+    if cfg.backend not in ("kv", "hf"):
+        parser.error(f"--backend {cfg.backend}: choose kv or hf")
+    if cfg.sample_dtype not in ("auto", "float32", "bfloat16"):
+        parser.error(f"--sample-dtype {cfg.sample_dtype}: choose auto, float32 or bfloat16")
+    if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        parser.error(f"--loss-agg {cfg.loss_agg}: choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
+    if cfg.resume and not (Path(cfg.resume) / "config.json").is_file():
+        parser.error(f"--resume {cfg.resume}: no config.json there; pass a run folder written by t3rl.py")
+
+
+def _has_gpu() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Prompts and answers
+
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+def policy_prompt(tokenizer, problem: str) -> str:
+    """The question as the policy sees it: its chat template when it has one (Qwen-Math's prompt otherwise)."""
+    if tokenizer.chat_template:
+        messages = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": problem}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"Question: {problem}\n{INSTRUCTION}\nAnswer:"
+
+
+def question_seed(cfg: Config, step: int, qid: str, purpose: str) -> int:
+    """A seed per (run, step, question, purpose): results do not depend on how questions are split over processes."""
+    return int.from_bytes(hashlib.blake2b(f"{cfg.seed}|{step}|{qid}|{purpose}".encode(), digest_size=7).digest(), "big")
+
+
+def sample_groups(policy, tokenizer, records, cfg: Config, n: int, temperature: float, step: int, purpose: str):
+    """n completions per record, each question with its own seed (one generate call per question)."""
+    groups = []
+    for rec in records:
+        [group] = generate(policy, tokenizer, [policy_prompt(tokenizer, rec["problem"])], n=n,
+                           max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p,
+                           seed=question_seed(cfg, step, rec["id"], purpose), backend=cfg.backend,
+                           dtype=sample_dtype(cfg))
+        groups.append(group)
+    return groups
+
+
+def sample_dtype(cfg: Config):
+    """Compute dtype for sampling: bfloat16 where the hardware runs it fast, unless the user says otherwise."""
+    import torch
+    if cfg.sample_dtype == "auto":
+        device = torch.device("cuda" if _has_gpu() else "cpu")
+        return torch.bfloat16 if bf16_supported(device) else torch.float32
+    return getattr(torch, cfg.sample_dtype)
+
+
+def verify_groups(records, groups, answers, verifier, pool, cfg: Config):
+    """v_i for every rollout of every question, through one batched verifier call and one sandbox batch."""
+    problems = [rec["problem"] for rec, group in zip(records, groups) for _ in group]
+    texts = [c.text for group in groups for c in group]
+    flat = [a for group in answers for a in group]
+    if not cfg.verify:
+        return [[None] * len(group) for group in groups]
+    results = verify_batch(problems, texts, flat, verifier, sandbox=pool, budget=cfg.verify_budget)
+    it = iter(results)
+    return [[next(it) for _ in group] for group in groups]
+
+
+def is_correct(answer, gold) -> bool:
+    return answer is not None and is_equiv(answer, gold)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Evaluation (ground truth is used here, and only here and in monitoring metrics)
+
+def evaluate(policy, tokenizer, records, cfg: Config, acc, verifier, pool) -> dict:
+    """Greedy pass@1; with k = eval_samples also avg@k, maj@k and, when verifying, the verified-weighted maj@k:
+    T3RL's vote used at inference on the same k samples, the equal-budget baseline for training."""
+    shard = records[acc.process_index::acc.num_processes]
+    unwrapped = acc.unwrap_model(policy)
+    greedy = sample_groups(unwrapped, tokenizer, shard, cfg, 1, 0.0, -1, "greedy")
+    k = cfg.eval_samples
+    sampled = sample_groups(unwrapped, tokenizer, shard, cfg, k, cfg.temperature, -1, "eval") if k else []
+    answers = [[extract_answer(c.text) for c in group] for group in sampled]
+    verdicts = verify_groups(shard, sampled, answers, verifier, pool, cfg) if k and verifier else []
+    rows = []
+    for i, rec in enumerate(shard):
+        row = {"level": rec.get("level"), "pass@1": float(is_correct(extract_answer(greedy[i][0].text), rec["answer"]))}
+        if k:
+            row[f"avg@{k}"] = sum(is_correct(a, rec["answer"]) for a in answers[i]) / k
+            majority, _ = weighted_vote(answers[i], [0] * k, omega=1.0, **ANSWER_CLASSES)
+            row[f"maj@{k}"] = float(is_correct(majority, rec["answer"]))
+            if verdicts:
+                label, _ = weighted_vote(answers[i], [r.v for r in verdicts[i]], omega=cfg.omega, **ANSWER_CLASSES)
+                row[f"verified_maj@{k}"] = float(is_correct(label, rec["answer"]))
+        rows.append(row)
+    rows = gather_object(rows)
+    keys = [key for key in rows[0] if key != "level"]
+    result = {key: sum(r[key] for r in rows) / len(rows) for key in keys}
+    levels = sorted({r["level"] for r in rows if r["level"] is not None})
+    if levels:
+        result["by_level"] = {lv: {key: sum(r[key] for r in rows if r["level"] == lv) /
+                                   sum(r["level"] == lv for r in rows) for key in keys} for lv in levels}
+    return result
+
+
+def format_eval(result: dict) -> str:
+    line = "  ".join(f"{k} {v:.3f}" for k, v in result.items() if k != "by_level")
+    if "by_level" in result:
+        line += "\n" + "\n".join(f"    level {lv}: " + "  ".join(f"{k} {v:.3f}" for k, v in m.items())
+                                 for lv, m in result["by_level"].items())
+    return line
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Run folder: config, metrics.jsonl, rollouts.jsonl, checkpoint/ (written atomically)
+
+def new_run_dir(cfg: Config) -> Path:
+    method = "ttrl" if not cfg.verify or cfg.omega == 1 else f"t3rl-w{cfg.omega:g}"
+    name = cfg.run_name or f"{cfg.bench}-{method}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path(cfg.out_dir) / name
+
+
+def append_jsonl(path: Path, rows: list[dict]):
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def keep_jsonl(path: Path, keep):
+    """Rewrite a JSONL file with only the rows `keep` accepts (resume drops what came after the checkpoint)."""
+    if path.is_file():
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
+        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows if keep(r)), encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, acc):
+    """checkpoint/ = model and tokenizer (save_pretrained, a loadable --model folder) + optimizer, scheduler,
+    RNG states and step; swapped in atomically."""
+    import torch
+    if acc.is_main_process:
+        tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
+        shutil.rmtree(tmp, ignore_errors=True)
+        acc.unwrap_model(policy).save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                    "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}, tmp / "state.pt")
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    acc.wait_for_everyone()
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The last complete checkpoint (checkpoint.old survives a crash between the two renames)."""
+    for name in ("checkpoint", "checkpoint.old"):
+        if (run_dir / name / "state.pt").is_file():
+            return run_dir / name
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The loop
+
+def question_batches(records: list[dict], cfg: Config) -> list[list[dict]]:
+    """Every step's questions: each episode is one pass over the benchmark in a fresh seeded order."""
+    batches = []
+    for episode in range(cfg.episodes):
+        order = list(records)
+        random.Random(cfg.seed * 1000 + episode).shuffle(order)
+        batches += [order[i:i + cfg.questions_per_step] for i in range(0, len(order), cfg.questions_per_step)]
+    return batches[:cfg.max_steps] if cfg.max_steps else batches
+
+
+def build_verifier(cfg: Config, tokenizer):
+    """The verifier callable (prompts -> completions): 'self' is a frozen copy of the policy's starting weights."""
+    if not cfg.verify:
+        return None
+    spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
+    vmodel, vtok = load_model(spec)
+    vmodel.requires_grad_(False)
+    if _has_gpu():
+        vmodel.to("cuda")
+    return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,
+                          temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed,
+                          backend=cfg.backend, dtype=sample_dtype(cfg))
+
+
+def train(cfg: Config) -> Path:
+    import torch
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    acc = Accelerator(cpu=not _has_gpu())
+    set_seed(cfg.seed)
+    run_dir = Path(cfg.resume) if cfg.resume else new_run_dir(cfg)
+    records = load_bench(cfg.bench)[:cfg.limit or None]
+    batches = question_batches(records, cfg)
+    checkpoint = latest_checkpoint(run_dir) if cfg.resume else None
+    if cfg.resume and checkpoint is None:
+        raise SystemExit(f"--resume {run_dir}: no checkpoint in it yet; start the run again without --resume")
+
+    policy, tokenizer = load_model(str(checkpoint / "model") if checkpoint else cfg.model)
+    verifier = build_verifier(cfg, tokenizer)
+    ref_model = load_model(cfg.model)[0].requires_grad_(False).to(acc.device) if cfg.kl_coef > 0 else None
+    policy.train()
+    optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    scheduler = cosine_schedule(optimizer, total_steps=len(batches), warmup_steps=int(cfg.warmup_ratio * len(batches)))
+    start = 0
+    if checkpoint:
+        state = torch.load(checkpoint / "state.pt", weights_only=False)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+        start = state["step"]
+    # the scheduler stays unprepared: accelerate would step it once per process per step
+    policy, optimizer = acc.prepare(policy, optimizer)
+
+    if acc.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        keep_jsonl(run_dir / "metrics.jsonl", lambda r: r["step"] < start or (r["kind"] == "eval" and r["step"] <= start))
+        keep_jsonl(run_dir / "rollouts.jsonl", lambda r: r["step"] < start)
+        print(f"[t3rl] run folder {run_dir}; {len(records)} questions, {len(batches)} steps"
+              + (f", resuming after step {start}" if start else ""), file=sys.stderr)
+
+    def log(row):
+        if acc.is_main_process:
+            append_jsonl(run_dir / "metrics.jsonl", [row])
+
+    with SandboxPool() as pool:
+        if acc.is_main_process:
+            print(f"[t3rl] sandbox: {pool.report}", file=sys.stderr)
+        if start == 0:
+            before = evaluate(policy, tokenizer, records, cfg, acc, verifier, pool)
+            log({"kind": "eval", "step": 0, **before})
+            acc.print(f"eval before training: {format_eval(before)}")
+            if cfg.eval_only:
+                return run_dir
+        for step in tqdm(range(start, len(batches)), desc="steps", initial=start, total=len(batches),
+                         disable=not acc.is_main_process):
+            row = rl_step(step, batches[step], policy, ref_model, tokenizer, optimizer, scheduler, verifier, pool, cfg,
+                          acc, run_dir)
+            log(row)
+            acc.print(format_step(row, len(batches)))
+            done = step + 1
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < len(batches):
+                log({"kind": "eval", "step": done, **evaluate(policy, tokenizer, records, cfg, acc, verifier, pool)})
+            if done % cfg.save_every == 0 or done == len(batches):
+                save_checkpoint(run_dir, done, policy, tokenizer, optimizer, scheduler, acc)
+        after = evaluate(policy, tokenizer, records, cfg, acc, verifier, pool)
+        log({"kind": "eval", "step": len(batches), "final": True, **after})
+    if acc.is_main_process:
+        print(summary(run_dir))
+        plot_run(run_dir)
+    return run_dir
+
+
+def rl_step(step, questions, policy, ref_model, tokenizer, optimizer, scheduler, verifier, pool, cfg: Config, acc,
+            run_dir) -> dict:
+    """One step of test-time RL on this process's share of the step's questions; returns the step's metrics."""
+    shard = questions[acc.process_index::acc.num_processes]
+    N, M = cfg.n_votes, cfg.n_train
+    seconds = {}
+
+    # 1. sample N rollouts per question and extract their answers a_i
+    t0 = time.time()
+    groups = sample_groups(acc.unwrap_model(policy), tokenizer, shard, cfg, N, cfg.temperature, step, "rollout")
+    answers = [[extract_answer(c.text) for c in group] for group in groups]
+    seconds["sample"] = time.time() - t0
+
+    # 2. tool verification: v_i = 1 when the verifier's program, run in the sandbox, reproduces a_i
+    t0 = time.time()
+    verdicts = verify_groups(shard, groups, answers, verifier, pool, cfg)
+    seconds["verify"] = time.time() - t0
+
+    # 3. weighted vote -> pseudo-label, rewards r_i = 1[a_i == label]; gold answers only feed the monitors
+    batch_prompts, batch_completions, batch_rewards, per_question, rollout_rows = [], [], [], [], []
+    for rec, group, ans, ver in zip(shard, groups, answers, verdicts):
+        v = [r.v if r is not None else 0 for r in ver]
+        label, _ = weighted_vote(ans, v, omega=cfg.omega, **ANSWER_CLASSES)
+        r = rewards(ans, label, **ANSWER_CLASSES)
+        majority, _ = weighted_vote(ans, v, omega=1.0, **ANSWER_CLASSES)
+        stats = group_metrics(ans, v, label, cfg.omega, gold=rec["answer"], **ANSWER_CLASSES)
+        stats["majority_label_accuracy"] = float(is_correct(majority, rec["answer"]))
+        correct = [is_correct(a, rec["answer"]) for a in ans]
+        stats["verified"] = sum(v)
+        stats["verified_correct"] = sum(vi and ci for vi, ci in zip(v, correct))
+        stats["statuses"] = [res.status for res in ver if res is not None]
+        stats["verifier_tokens"] = sum(res.tokens or 0 for res in ver if res is not None)
+        stats["verifier_calls_saved"] = sum(bool(getattr(res, "inferred", False)) for res in ver if res is not None)
+        stats["response_tokens"] = [c.num_tokens for c in group]
+        per_question.append(stats)
+        # 4. vote then sample: M of the N rollouts, chosen at random, go into the GRPO update
+        keep = sorted(random.Random(question_seed(cfg, step, rec["id"], "downsample")).sample(range(N), M))
+        for i in keep:
+            batch_prompts.append(group[i].prompt_ids)
+            batch_completions.append(group[i].token_ids)
+            batch_rewards.append(r[i])
+        for i, (c, res) in enumerate(zip(group, ver)):
+            rollout_rows.append({"step": step, "id": rec["id"], "index": i, "text": c.text, "answer": ans[i],
+                                 "v": v[i], "result": getattr(res, "result", None), "status": getattr(res, "status", None),
+                                 "reward": r[i], "label": label, "kept": i in keep, "program": getattr(res, "code", None)})
+
+    # 5. GRPO update on the kept rollouts (groups of M, group after group)
+    t0 = time.time()
+    update = grpo_step(policy, optimizer, scheduler, batch_prompts, batch_completions, batch_rewards, group_size=M,
+                       accelerator=acc, ref_model=ref_model, kl_coef=cfg.kl_coef, clip_low=cfg.clip,
+                       clip_high=cfg.clip, agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
+                       token_budget=cfg.micro_batch_tokens, bf16=cfg.bf16 and bf16_supported(acc.device),
+                       gradient_checkpointing=cfg.grad_checkpointing)
+    seconds["update"] = time.time() - t0
+
+    # 6. metrics over all processes
+    per_question = gather_object(per_question)
+    rollout_rows = gather_object(rollout_rows)
+    if acc.is_main_process:
+        append_jsonl(run_dir / "rollouts.jsonl", rollout_rows)
+    return step_metrics(step, per_question, gather_object([update]), gather_object([seconds]))
+
+
+def step_metrics(step, per_question, updates, seconds) -> dict:
+    """Aggregate per-question monitors (means) and per-process update stats into one metrics row."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    row = {"kind": "train", "step": step, "questions": len(per_question)}
+    for key in ("label_accuracy", "majority_label_accuracy", "reward_accuracy", "majority_ratio",
+                "ground_truth_ratio", "verified_ratio", "flipped", "flip_fixed", "flip_broke", "pass@N"):
+        row[key] = mean([q[key] for q in per_question])
+    verified = sum(q["verified"] for q in per_question)
+    row["verifier_precision"] = sum(q["verified_correct"] for q in per_question) / verified if verified else None
+    statuses = [s for q in per_question for s in q["statuses"]]
+    row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
+    lengths = [n for q in per_question for n in q["response_tokens"]]
+    row["response_length"] = mean(lengths)
+    row["policy_tokens"] = sum(lengths)
+    row["verifier_tokens"] = sum(q["verifier_tokens"] for q in per_question)
+    row["verifier_calls_saved"] = sum(q["verifier_calls_saved"] for q in per_question)
+    for key in updates[0]:
+        if isinstance(updates[0][key], (int, float)):
+            row[f"grpo/{key}"] = mean([u[key] for u in updates])
+    for key in seconds[0]:
+        row[f"seconds/{key}"] = max(s[key] for s in seconds)
+    return row
+
+
+def format_step(row: dict, total: int) -> str:
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    timing = " ".join(f"{key[len('seconds/'):]} {value:.0f}s" for key, value in row.items() if key.startswith("seconds/"))
+    return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])} (maj {fmt(row['majority_label_accuracy'])})"
+            f" reward {fmt(row['reward_accuracy'])} | maj-ratio {fmt(row['majority_ratio'])}"
+            f" gt-ratio {fmt(row['ground_truth_ratio'])} | verified {fmt(row['verified_ratio'])}"
+            f" prec {fmt(row['verifier_precision'])} | flips {row['flipped'] * row['questions']:.0f}"
+            f" (+{row['flip_fixed'] * row['questions']:.0f}/-{row['flip_broke'] * row['questions']:.0f})"
+            f" | len {row['response_length']:.0f} ent {fmt(row.get('grpo/entropy'))} loss {row.get('grpo/loss', 0):+.4f}"
+            f" | {timing}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reports: summary table, curves, and the omega ablation replayed from saved rollouts
+
+def read_jsonl_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def summary(run_dir: Path) -> str:
+    """Before vs after evaluation, and TTRL (majority) vs T3RL (weighted) pseudo-label accuracy during training."""
+    rows = read_jsonl_rows(run_dir / "metrics.jsonl")
+    evals = [r for r in rows if r["kind"] == "eval"]
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    before, after = evals[0], evals[-1]
+    lines = [f"summary of {run_dir}", f"{'metric':<28}{'before':>10}{'after':>10}"]
+    for key in before:
+        if key not in ("kind", "step", "final", "by_level") and isinstance(before[key], (int, float)):
+            lines.append(f"{key:<28}{before[key]:>10.3f}{after.get(key, float('nan')):>10.3f}")
+    if train_rows:
+        mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)  # noqa: E731
+        lines.append(f"{'training steps':<28}{len(train_rows):>10}")
+        lines.append(f"{'label acc. TTRL (majority)':<28}{mean('majority_label_accuracy'):>10.3f}")
+        lines.append(f"{'label acc. T3RL (weighted)':<28}{mean('label_accuracy'):>10.3f}")
+        lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
+        lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
+        lines.append(f"{'flips (fixed / broke)':<28}{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
+                     f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
+                     f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")
+    return "\n".join(lines)
+
+
+def plot_run(run_dir: Path):
+    """curves.png: pseudo-label accuracy (TTRL vs T3RL), reward accuracy, verified ratio and loss per step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in read_jsonl_rows(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    if not rows:
+        return
+    steps = [r["step"] + 1 for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for key, name in [("label_accuracy", "label acc. (T3RL)"), ("majority_label_accuracy", "label acc. (majority)"),
+                      ("reward_accuracy", "reward acc."), ("ground_truth_ratio", "ground-truth ratio")]:
+        axes[0].plot(steps, [r[key] for r in rows], marker="o", label=name)
+    axes[1].plot(steps, [r["verified_ratio"] for r in rows], marker="o", label="verified ratio")
+    axes[1].plot(steps, [r["majority_ratio"] for r in rows], marker="o", label="majority ratio")
+    axes[2].plot(steps, [r.get("grpo/loss", 0) for r in rows], marker="o", label="GRPO loss")
+    axes[2].plot(steps, [r["response_length"] / max(r["response_length"] for r in rows) for r in rows],
+                 marker="o", label="response length (rel.)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    fig.savefig(run_dir / "curves.png", dpi=100)
+    plt.close(fig)
+
+
+def replay(run_dir: Path, omegas: list[float]) -> str:
+    """Re-vote every saved rollout group with each omega: label accuracy, reward accuracy and flips, no model needed."""
+    cfg = json.loads((run_dir / "config.json").read_text())
+    gold = {r["id"]: r["answer"] for r in load_bench(cfg["bench"])}
+    groups = {}
+    for r in read_jsonl_rows(run_dir / "rollouts.jsonl"):
+        groups.setdefault((r["step"], r["id"]), []).append(r)
+    lines = [f"omega ablation replayed on {len(groups)} rollout groups of {run_dir}",
+             f"{'omega':>7}{'label acc':>11}{'reward acc':>12}{'flips':>7}{'fixed':>7}{'broke':>7}"]
+    for omega in omegas:
+        totals = {"label_accuracy": 0.0, "reward_accuracy": 0.0, "flipped": 0.0, "flip_fixed": 0.0, "flip_broke": 0.0}
+        for (_, qid), rows in groups.items():
+            answers, v = [r["answer"] for r in rows], [r["v"] for r in rows]
+            label, _ = weighted_vote(answers, v, omega=omega, **ANSWER_CLASSES)
+            stats = group_metrics(answers, v, label, omega, gold=gold[qid], **ANSWER_CLASSES)
+            for key in totals:
+                totals[key] += stats[key]
+        n = max(len(groups), 1)
+        lines.append(f"{omega:>7g}{totals['label_accuracy'] / n:>11.3f}{totals['reward_accuracy'] / n:>12.3f}"
+                     f"{totals['flipped']:>7.0f}{totals['flip_fixed']:>7.0f}{totals['flip_broke']:>7.0f}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--replay" in argv:
+        parser = argparse.ArgumentParser(description="the omega ablation, replayed from a run's saved rollouts")
+        parser.add_argument("--replay", required=True, metavar="RUN_DIR")
+        parser.add_argument("--omega", type=float, nargs="+", default=[1.0, 2.0, 5.0, 10.0, math.inf])
+        args = parser.parse_args(argv)
+        if not (Path(args.replay) / "rollouts.jsonl").is_file():
+            parser.error(f"--replay {args.replay}: no rollouts.jsonl there; pass a run folder written by t3rl.py")
+        print(replay(Path(args.replay), args.omega))
+        return
+    train(parse_config(argv))
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (BenchError, ModelLoadError) as err:
+        raise SystemExit(f"error: {err}")

@@ -76,7 +76,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from sandbox import default_pool
-from voting import _classes as answer_classes
+from voting import answer_classes
 
 EQUIV_TIME_LIMIT_S = 2.0
 EQUIV_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "equiv_cases.jsonl")

@@ -41,8 +41,8 @@ def _default_key(answer):
     return "".join(answer.split())
 
 
-def _classes(answers, same, key):
-    """Group answer indices into classes: buckets by key, buckets merged by `same`.
+def answer_classes(answers, same=None, key=None):
+    """Group answer indices into vote classes: buckets by key, buckets merged by `same`.
 
     Returns a list of index lists, in order of each class's first appearance.
     """
@@ -90,7 +90,7 @@ def weighted_vote(answers, verified, omega=5.0, same=None, key=None):
     answer is verified).
     """
     _check_group(answers, verified, omega)
-    classes = _classes(answers, same, key)
+    classes = answer_classes(answers, same, key)
     hard_filter = math.isinf(omega) and any(verified[i] for members in classes for i in members)
 
     def weight(i):
