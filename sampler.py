@@ -1,0 +1,583 @@
+"""Sample n completions per prompt, fast: the rollouts of test-time RL.
+
+    generate(model, tokenizer, prompts, n, max_new_tokens, temperature=0.6, top_p=0.95, seed=None,
+             backend="kv", ignore_eos=False) -> [[Completion] * n for each prompt]
+
+Test-time RL samples N = 64 rollouts per question, so sampling is most of its cost. Two backends:
+
+  "hf"  transformers `generate`, the reference.
+  "kv"  a batched sampler in plain PyTorch for the Llama / Qwen2 family, running the model's own weights:
+
+            x_0    = embed[tokens]
+            h      = x + Attn(RMSNorm(x))             RMSNorm(x) = w * x / sqrt(mean(x^2) + eps)
+            x'     = h + W_down (silu(W_gate g) * W_up g),   g = RMSNorm(h)        (SwiGLU)
+            logits = W_head RMSNorm(x_L)               (W_head may be the embedding: tied)
+
+        Attention is grouped-query (several query heads share one key/value head) with rotary position
+        embeddings: q, k at position t are rotated by angles t * theta^(-2i/d), i = 0 .. d/2-1.
+
+Design of "kv":
+  - KV cache: two tensors, keys and values, each (layers, rows, kv heads, max length, head dim), sized and
+    allocated once per wave and never reallocated while decoding. Prompts of one wave are left-padded to end
+    at a common column P (the longest prompt): prompt p sits in columns [P - len_p, P) and completion token j in
+    column P + j, so every row writes the same column each step; an attention mask hides the columns
+    before a row's prompt and the rotary position of a column is its offset from the row's own prompt start.
+  - One prefill per prompt: the prompt runs once through the model into its first row, then its keys and
+    values are copied into the other n - 1 rows that sample from it (transformers runs n prefills).
+  - Finished rows leave the batch: when an eighth of the batch has produced its end-of-sequence token, the
+    live rows are copied to the front of the cache and the batch shrinks, so they stop costing compute.
+  - Waves: the cache size (2 * layers * rows * kv heads * max length * head dim * bytes per element) is
+    computed before allocating; rows are split into waves that fit `memory_budget` instead of failing.
+  - Sampling: temperature, then exact top-p with one torch.Generator per call (a seed repeats a call; rows
+    of one prompt draw different numbers). transformers sorts all 152k logits every step; here tokens
+    with probability below (1 - top_p) / V are dropped first: together they weigh less than 1 - top_p, so
+    the nucleus (smallest set of top tokens with mass >= top_p) lies among the rest, and only those are
+    sorted (top-k with k = the largest number of survivors in any row). The result is the same nucleus.
+  - compile=True runs the decode step through torch.compile (CUDA graphs on GPU); it then attends over the
+    whole cache, masked, so every step has the same shapes and nothing recompiles.
+  - dtype: by default "kv" computes in the model's own dtype on its own weights (no copy). dtype=bfloat16 on
+    a float32 model casts the weights once per call (the loop keeps float32 master weights; bfloat16
+    matmuls are ~4x faster on CPUs with AVX-512 bf16, see `python sampler.py --bench`).
+  - Other architectures (or sliding-window / dynamic rotary variants) fall back to "hf" with a notice.
+
+Token ids: a string prompt is tokenised as tokenizer(prompt, add_special_tokens=False).input_ids (chat
+templates are the caller's job) and each Completion carries the prompt ids it was sampled from.
+`token_ids` are exactly the sampled ids; when finish_reason is "eos" the last of them is the
+end-of-sequence token (GRPO trains on it). `text` is the decoded completion without special tokens.
+Both backends run under torch.inference_mode and leave the model's mode (train / eval) as they found it.
+"""
+import functools
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+BACKENDS = ("kv", "hf")
+KV_MODEL_TYPES = ("llama", "qwen2")
+COMPACT_WHEN_FINISHED = 1 / 8  # compact the batch once this fraction of its rows has finished
+
+
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str | None  # None when generate was given no tokenizer
+    finish_reason: str  # "eos" (token_ids ends with the end-of-sequence token) or "length"
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature: float = 0.6,
+             top_p: float = 0.95, seed: int | None = None, backend: str = "kv", ignore_eos: bool = False,
+             dtype: torch.dtype | None = None, memory_budget: int | None = None, compile: bool = False):
+    """n completions for each prompt: a list (one entry per prompt) of lists of n Completions.
+
+    prompts: list of strings (needs `tokenizer`) or of token-id lists. temperature 0 is greedy decoding.
+    seed: makes the call repeatable; None draws one from torch's global generator (so torch.manual_seed
+    upstream makes a whole run repeatable). ignore_eos: keep sampling to max_new_tokens (benchmarks).
+    "kv" only: dtype (compute dtype; weights cast once per call), memory_budget (bytes for the KV cache and
+    logits of one wave; default half the free memory), compile (torch.compile the decode step).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"n={n!r}: the number of completions per prompt must be a positive int")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r}: must be a positive int")
+    if temperature < 0:
+        raise ValueError(f"temperature={temperature}: must be >= 0 (0 is greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p}: must be in (0, 1]")
+    if backend == "hf" and (dtype is not None or memory_budget is not None or compile):
+        raise ValueError("dtype, memory_budget and compile apply to backend 'kv'; for 'hf' cast the model instead")
+    prompt_ids = _prompt_ids(tokenizer, prompts)
+    eos_ids = [] if ignore_eos else _eos_ids(model, tokenizer)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)))
+    if backend == "kv":
+        reason = kv_unsupported_reason(model)
+        if reason:
+            print(f"[sampler] kv backend does not support {reason}; falling back to hf "
+                  f"(dtype, memory_budget and compile ignored)", file=sys.stderr)
+            backend, dtype, memory_budget, compile = "hf", None, None, False
+    with torch.inference_mode():
+        if backend == "kv":
+            rows = _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, seed, eos_ids,
+                                dtype, memory_budget, compile)
+        else:
+            rows = _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p, seed,
+                                eos_ids, ignore_eos)
+    completions = []
+    for p, ids in enumerate(prompt_ids):
+        group = []
+        for tokens, reason in rows[p * n:(p + 1) * n]:
+            text = None if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
+            group.append(Completion(ids, tokens, text, reason))
+        completions.append(group)
+    return completions
+
+
+def _prompt_ids(tokenizer, prompts) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts: pass a non-empty list of strings or of token-id lists")
+    ids = []
+    for i, prompt in enumerate(prompts):
+        if isinstance(prompt, str):
+            if tokenizer is None:
+                raise ValueError(f"prompts[{i}] is a string but tokenizer is None; pass a tokenizer or token ids")
+            prompt = tokenizer(prompt, add_special_tokens=False).input_ids
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+        ids.append(prompt)
+    return ids
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    """End-of-sequence ids: the model's generation config plus the tokenizer's (Qwen lists two)."""
+    found = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    found = [] if found is None else [found] if isinstance(found, int) else list(found)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        found.append(tokenizer.eos_token_id)
+    if not found:
+        raise ValueError("no end-of-sequence token: set model.generation_config.eos_token_id or pass ignore_eos=True")
+    return sorted(set(found))
+
+
+# --------------------------------------------------------------------------- hf: the reference
+
+def _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p, seed, eos_ids, ignore_eos):
+    """transformers generate on the left-padded batch; returns (token_ids, finish_reason) per row."""
+    from transformers import GenerationConfig
+    device = next(model.parameters()).device
+    pad_id = eos_ids[0] if eos_ids else (tokenizer.pad_token_id if tokenizer is not None else 0)
+    width = max(map(len, prompt_ids))
+    input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
+    attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
+    # greedy rows of one prompt are identical, and transformers refuses n > 1 for them: decode once, repeat n times
+    repeats = 1 if temperature > 0 else n
+    # every sampling option set explicitly: transformers fills unset ones from the checkpoint (Qwen: top_k=20, ...)
+    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
+    config = GenerationConfig(max_new_tokens=max_new_tokens, num_return_sequences=n // repeats,
+                              do_sample=temperature > 0, repetition_penalty=1.0, pad_token_id=pad_id,
+                              eos_token_id=eos_ids or None, **sampling)
+    was_training, model_eos = model.training, model.generation_config.eos_token_id
+    devices = [device] if device.type == "cuda" else []
+    try:
+        # eval mode: under gradient checkpointing transformers would turn the cache off in train mode.
+        model.eval()
+        if ignore_eos:  # transformers fills an unset eos from the model's own config, so unset it there
+            model.generation_config.eos_token_id = None
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+    finally:
+        model.train(was_training)
+        model.generation_config.eos_token_id = model_eos
+    rows = []
+    for tokens in out[:, width:].tolist():
+        stop = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
+        kept, reason = (tokens, "length") if stop is None else (tokens[:stop + 1], "eos")
+        rows += [(list(kept), reason) for _ in range(repeats)]
+    return rows
+
+
+# --------------------------------------------------------------------------- kv: the hand-written sampler
+
+def kv_unsupported_reason(model) -> str | None:
+    """None when the kv backend can run `model`, else what it lacks (printed in the fallback notice)."""
+    config = model.config
+    if config.model_type not in KV_MODEL_TYPES:
+        return f"model type {config.model_type!r} (only {', '.join(KV_MODEL_TYPES)})"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    if config.hidden_act != "silu":
+        return f"activation {config.hidden_act!r}"
+    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        return f"rope type {rope_type!r} (its frequencies change with length)"
+    return None
+
+
+@dataclass
+class Layer:
+    input_norm: torch.Tensor
+    q: tuple  # (weight, bias or None), as F.linear takes them
+    k: tuple
+    v: tuple
+    o: tuple
+    post_norm: torch.Tensor
+    gate: tuple
+    up: tuple
+    down: tuple
+
+
+@dataclass
+class Weights:
+    embed: torch.Tensor
+    layers: list[Layer]
+    norm: torch.Tensor
+    head: torch.Tensor
+    eps: float
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    inv_freq: torch.Tensor  # float32 rotary frequencies theta^(-2i/d)
+    rope_scale: float
+
+
+def model_weights(model, dtype: torch.dtype) -> Weights:
+    """The model's tensors in `dtype`: the parameters themselves when the dtype matches, else one cast copy each."""
+    cast = {}
+
+    def get(t):
+        if t is None:
+            return None
+        if id(t) not in cast:  # a tied head is cast once, together with the embedding
+            cast[id(t)] = t.detach().to(dtype)
+        return cast[id(t)]
+
+    def linear(module):
+        return get(module.weight), get(module.bias)
+
+    config, body = model.config, model.model
+    layers = [Layer(get(b.input_layernorm.weight), linear(b.self_attn.q_proj), linear(b.self_attn.k_proj),
+                    linear(b.self_attn.v_proj), linear(b.self_attn.o_proj), get(b.post_attention_layernorm.weight),
+                    linear(b.mlp.gate_proj), linear(b.mlp.up_proj), linear(b.mlp.down_proj)) for b in body.layers]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return Weights(get(body.embed_tokens.weight), layers, get(body.norm.weight), get(model.lm_head.weight),
+                   config.rms_norm_eps, config.num_attention_heads, config.num_key_value_heads, head_dim,
+                   body.rotary_emb.inv_freq.float(), float(body.rotary_emb.attention_scaling))
+
+
+def rms_norm(x, weight, eps):
+    """weight * x / sqrt(mean(x^2) + eps), computed in float32 like the reference."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rotary_tables(w: Weights, length: int, dtype):
+    """cos and sin of position * frequency for positions 0 .. length-1, each (length, head_dim)."""
+    angles = torch.arange(length, device=w.inv_freq.device).float()[:, None] * w.inv_freq[None, :]
+    angles = torch.cat((angles, angles), dim=-1)
+    return (angles.cos() * w.rope_scale).to(dtype), (angles.sin() * w.rope_scale).to(dtype)
+
+
+def rotate(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def attention(q, k, v, mask):
+    """softmax(q k^T / sqrt(d), where mask) v, each key/value head shared by a group of query heads.
+
+    q (rows, heads, T, d); k, v (rows, kv heads, S, d); mask (rows, 1, T, S). Written out rather than
+    F.scaled_dot_product_attention, whose CPU kernel took 3 ms a layer for one query token with a mask.
+    """
+    rows, heads, T, d = q.shape
+    kv_heads, S = k.shape[1], k.shape[2]
+    group = heads // kv_heads  # query head h reads key/value head h // group
+    scores = (q.reshape(rows, kv_heads, group * T, d) @ k.transpose(2, 3)).float() * d**-0.5
+    scores = scores.view(rows, kv_heads, group, T, S).masked_fill(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(rows, kv_heads, group * T, S)
+    return (probs @ v).view(rows, heads, T, d)
+
+
+def forward(w: Weights, tokens, positions, columns, k_cache, v_cache, mask, cos_table, sin_table):
+    """Run `tokens` (rows, T) through the model; return the logits of each row's last token (rows, vocab).
+
+    Keys and values of the T tokens are written into cache columns `columns` (T,); attention reads
+    cache columns [0, mask.shape[-1]) where `mask` (rows, 1, T, that width) is True.
+    """
+    rows, T = tokens.shape
+    cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]  # (rows, 1, T, head_dim)
+    width = mask.shape[-1]
+    x = F.embedding(tokens, w.embed)
+    for i, layer in enumerate(w.layers):
+        h = rms_norm(x, layer.input_norm, w.eps)
+        q = F.linear(h, *layer.q).view(rows, T, w.n_heads, w.head_dim).transpose(1, 2)
+        k = F.linear(h, *layer.k).view(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
+        v = F.linear(h, *layer.v).view(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
+        k_cache[i].index_copy_(2, columns, rotate(k, cos, sin))
+        v_cache[i].index_copy_(2, columns, v)
+        attn = attention(rotate(q, cos, sin), k_cache[i, :, :, :width], v_cache[i, :, :, :width], mask)
+        x = x + F.linear(attn.transpose(1, 2).reshape(rows, T, -1), *layer.o)
+        h = rms_norm(x, layer.post_norm, w.eps)
+        x = x + F.linear(F.silu(F.linear(h, *layer.gate)) * F.linear(h, *layer.up), *layer.down)
+    return F.linear(rms_norm(x[:, -1], w.norm, w.eps), w.head).float()
+
+
+@functools.cache
+def compiled_forward(device_type: str):
+    # CUDA graphs ("reduce-overhead") remove the per-kernel launch cost that dominates small decode steps on GPU.
+    return torch.compile(forward, dynamic=True, mode="reduce-overhead" if device_type == "cuda" else None)
+
+
+def sample_next(logits, temperature: float, top_p: float, generator):
+    """One token per row from float32 logits (rows, vocab): greedy at temperature 0, else temperature + top-p."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p >= 1:
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    top_probs, top_ids = nucleus(probs, top_p)
+    choice = torch.multinomial(top_probs, 1, generator=generator)
+    return top_ids.gather(-1, choice).squeeze(-1)
+
+
+def nucleus(probs, top_p: float):
+    """The top-p nucleus of each row of `probs` (rows, vocab) as (probs, ids), (rows, k), zero outside it.
+
+    A token is kept while the mass ranked strictly above it is below top_p (transformers' rule). Tokens
+    under (1 - top_p) / vocab weigh less than 1 - top_p all together, so none of them is ever kept: only
+    the rest are sorted, k being the largest number of them in any row.
+    """
+    bound = (1 - top_p) / probs.shape[-1]
+    k = max(1, int((probs >= bound).sum(-1).max()))
+    top_probs, top_ids = probs.topk(k, dim=-1)
+    return top_probs.masked_fill(top_probs.cumsum(-1) - top_probs >= top_p, 0), top_ids
+
+
+def _default_budget(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0] // 2
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+
+
+def cache_bytes_per_row(model, length: int, dtype) -> int:
+    """Bytes of one row's keys and values at `length` columns, plus its float32 logits and sampling buffers."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = torch.empty((), dtype=dtype).element_size()
+    cache = 2 * config.num_hidden_layers * config.num_key_value_heads * length * head_dim * element
+    return cache + 4 * config.vocab_size * 4
+
+
+def _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, seed, eos_ids, dtype, memory_budget,
+                 compile):
+    device = next(model.parameters()).device
+    dtype = dtype or next(model.parameters()).dtype
+    longest = max(map(len, prompt_ids))
+    if longest + max_new_tokens > model.config.max_position_embeddings:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                         f"{model.config.max_position_embeddings} positions; shorten one of them")
+    budget = memory_budget or _default_budget(device)
+    per_row = cache_bytes_per_row(model, longest + max_new_tokens, dtype)
+    wave_rows = budget // per_row
+    if wave_rows < 1:
+        raise ValueError(f"memory_budget={budget} bytes holds no row of {longest + max_new_tokens} tokens "
+                         f"({per_row} bytes); raise memory_budget or lower max_new_tokens")
+    w = model_weights(model, dtype)
+    cos, sin = rotary_tables(w, longest + max_new_tokens, dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    step = compiled_forward(device.type) if compile else forward
+    row_prompts = [p for p in range(len(prompt_ids)) for _ in range(n)]
+    rows = []
+    for start in range(0, len(row_prompts), wave_rows):
+        wave = [prompt_ids[p] for p in row_prompts[start:start + wave_rows]]
+        rows += _decode_wave(w, wave, max_new_tokens, temperature, top_p, generator, eos, step, compile, cos, sin,
+                             dtype, device)
+    return rows
+
+
+def _decode_wave(w, wave, max_new_tokens, temperature, top_p, generator, eos, step, compile, cos, sin, dtype,
+                 device):
+    """Sample every row of one wave (consecutive rows of one prompt share its prefill)."""
+    width = max(map(len, wave))  # prompts end at column `width`; completion token j sits in column width + j
+    length = width + max_new_tokens
+    n_rows = len(wave)
+    shape = (len(w.layers), n_rows, w.n_kv_heads, length, w.head_dim)
+    # zeros, not empty: masked columns get probability 0, and 0 * a stale NaN would still be NaN
+    k_cache = torch.zeros(shape, dtype=dtype, device=device)
+    v_cache = torch.zeros(shape, dtype=dtype, device=device)
+    first = torch.tensor([len(p) for p in wave], device=device)
+    first = width - first  # column of each row's first prompt token
+    logits = []
+    r = 0
+    while r < n_rows:
+        prompt = wave[r]
+        same = next((j for j in range(r, n_rows) if wave[j] is not prompt), n_rows)
+        size, col = len(prompt), width - len(prompt)
+        positions = torch.arange(size, device=device)
+        causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None, None]
+        k_row, v_row = k_cache[:, r:r + 1, :, col:], v_cache[:, r:r + 1, :, col:]
+        prompt_logits = forward(w, torch.tensor([prompt], device=device), positions[None], positions, k_row, v_row,
+                                causal, cos, sin)
+        k_cache[:, r + 1:same, :, col:width] = k_cache[:, r:r + 1, :, col:width]
+        v_cache[:, r + 1:same, :, col:width] = v_cache[:, r:r + 1, :, col:width]
+        logits.append(prompt_logits.expand(same - r, -1))
+        r = same
+    logits = torch.cat(logits)
+
+    out = torch.empty(n_rows, max_new_tokens, dtype=torch.long, device=device)
+    ends = [max_new_tokens] * n_rows  # tokens kept per row
+    reasons = ["length"] * n_rows
+    batch = torch.arange(n_rows, device=device)  # wave row of each batch row
+    alive = torch.ones(n_rows, dtype=torch.bool, device=device)
+    columns = torch.arange(length, device=device)
+    for j in range(max_new_tokens):
+        tokens = sample_next(logits, temperature, top_p, generator)
+        out[batch, j] = tokens
+        if j == max_new_tokens - 1:
+            break
+        if len(eos):
+            stopped = alive & torch.isin(tokens, eos)
+            for row in batch[stopped].tolist():
+                ends[row], reasons[row] = j + 1, "eos"
+            alive &= ~stopped
+            live = int(alive.sum())
+            if live == 0:
+                break
+            if len(batch) - live >= max(1, COMPACT_WHEN_FINISHED * len(batch)):
+                keep = alive.nonzero().squeeze(1)
+                for i in range(len(w.layers)):  # layer by layer: the gather's temporary stays one layer large
+                    k_cache[i, :live] = k_cache[i, keep]
+                    v_cache[i, :live] = v_cache[i, keep]
+                batch, first, tokens, alive = batch[keep], first[keep], tokens[keep], alive[keep]
+        rows, col = len(batch), width + j
+        # compiled: attend over the whole cache so every step has the same shapes (no recompiles)
+        seen = columns if compile else columns[:col + 1]
+        mask = ((seen >= first[:, None]) & (seen <= col))[:, None, None, :]
+        logits = step(w, tokens[:, None], (col - first)[:, None], columns[col:col + 1], k_cache[:, :rows],
+                      v_cache[:, :rows], mask, cos, sin)
+    out = out.tolist()
+    return [(out[row][:ends[row]], reasons[row]) for row in range(n_rows)]
+
+
+# --------------------------------------------------------------------------- benchmark
+
+QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
+                   eos_token_id=151645)
+BENCH_PROMPT = ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}."
+                "<|im_end|>\n<|im_start|>user\nLet $f(x) = x^4 - 4x^3 + 6x^2 - 4x + 1$ and let $g(x) = f(x+1) - f(x)$. "
+                "A sequence is defined by $a_1 = 2$ and $a_{n+1} = g(a_n) \\bmod 97$ for $n \\ge 1$. Find the "
+                "smallest positive integer $k$ with $a_k = a_1$, and "
+                "determine the sum $a_1 + a_2 + \\cdots + a_{10}$ modulo $97$.<|im_end|>\n"
+                "<|im_start|>assistant\n")
+
+
+def bench_model(spec: str, device: str):
+    """(float32 model, tokenizer or None): 'embedded', 'qwen2.5-1.5b' (random weights) or a config.json path."""
+    if spec == "embedded":
+        from model import load_model
+        model, tokenizer = load_model("embedded")
+        return model.to(device), tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
+    config = Qwen2Config(**QWEN25_1_5B) if spec == "qwen2.5-1.5b" else AutoConfig.from_pretrained(spec)
+    torch.manual_seed(0)
+    with torch.device(device):  # speed does not depend on the weights' values, so random ones will do
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return model, None
+
+
+def measure_bandwidth(device, seconds=1.0) -> float:
+    """Bytes per second read by summing a 512 MiB tensor (decoding streams the weights like this)."""
+    x = torch.ones(128 << 20, device=device)
+    return x.numel() * x.element_size() * _rate(lambda: x.sum(), device, seconds)
+
+
+def measure_matmul(device, dtype, seconds=1.0) -> float:
+    """Matmul FLOP per second at a large square shape."""
+    a = torch.randn(2048, 2048, device=device, dtype=dtype)
+    return 2 * 2048**3 * _rate(lambda: a @ a, device, seconds)
+
+
+def _rate(fn, device, seconds) -> float:
+    """Calls per second of fn at its best (the fastest call), so other load on the machine lowers it least."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    best, start = float("inf"), time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 1 / best
+
+
+def decode_floor(model, rows, context, dtype, bandwidth, flops_rate):
+    """Seconds per decode step the machine allows: (bytes read / bandwidth, FLOP / matmul rate).
+
+    Each step reads every weight matrix once (not the embedding table, only `rows` of it, unless the head is
+    tied to it) and the keys and values of `context` columns; it does 2 FLOP per weight per row, plus
+    2 * 2 * heads * head_dim FLOP per row, layer and context column for attention.
+    """
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    weights = sum(p.numel() for p in model.parameters())
+    if not config.tie_word_embeddings:
+        weights -= model.model.embed_tokens.weight.numel()
+    element = torch.empty((), dtype=dtype).element_size()
+    cache = 2 * config.num_hidden_layers * rows * config.num_key_value_heads * context * head_dim * element
+    flop = 2 * rows * weights + 4 * rows * config.num_hidden_layers * config.num_attention_heads * head_dim * context
+    return (weights * element + cache) / bandwidth, flop / flops_rate
+
+
+def bench(spec, device, ns, max_new_tokens, compile):
+    from copy import deepcopy
+    from tqdm import tqdm
+    device = torch.device(device)
+    base, tokenizer = bench_model(spec, device)
+    prompt = tokenizer(BENCH_PROMPT, add_special_tokens=False).input_ids if tokenizer else list(range(1000, 1150))
+    bandwidth = measure_bandwidth(device)
+    print(f"model {spec} ({sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters) on {device}, "
+          f"prompt {len(prompt)} tokens, {max_new_tokens} new tokens, EOS ignored, temperature 0.6, top_p 0.95; "
+          f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
+    runs = []  # (label, model, kv options)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = base if dtype == torch.float32 else deepcopy(base).to(dtype)
+        name = str(dtype).removeprefix("torch.")
+        runs += [(name, "hf", model, {}), (name, "kv", model, {"compile": compile})]
+        if dtype == torch.bfloat16:
+            runs.append(("f32 weights, dtype=bf16", "kv", base, {"dtype": dtype, "compile": compile}))
+    rates = {dtype: measure_matmul(device, dtype) for dtype in (torch.float32, torch.bfloat16)}
+    table = []
+    for n in ns:
+        for label, backend, model, options in tqdm(runs, desc=f"n={n}", file=sys.stderr):
+            generate(model, tokenizer, [prompt], n=n, max_new_tokens=4, backend=backend, seed=0, ignore_eos=True,
+                     **options)  # warm-up (and compilation)
+            sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            out = generate(model, tokenizer, [prompt], n=n, max_new_tokens=max_new_tokens, backend=backend, seed=0,
+                           ignore_eos=True, **options)
+            sync()
+            seconds = time.perf_counter() - t0
+            assert all(c.num_tokens == max_new_tokens for c in out[0])
+            dtype = options.get("dtype") or next(model.parameters()).dtype
+            by_bytes, by_flop = decode_floor(model, n, len(prompt) + max_new_tokens / 2, dtype, bandwidth,
+                                             rates[dtype])
+            table.append((n, label, backend, dtype, n * max_new_tokens / seconds, seconds / max_new_tokens,
+                          by_bytes, by_flop))
+    print(f"\n{'n':>3} {'dtype':<24} {'backend':<7} {'tok/s':>8} {'ms/step':>8} {'x hf':>6} "
+          f"{'floor ms (bytes)':>16} {'floor ms (FLOP)':>15} {'x floor':>7}")
+    for n, label, backend, dtype, tps, step_s, by_bytes, by_flop in table:
+        hf = next(t for t in table if t[0] == n and t[2] == "hf" and t[3] == dtype)
+        print(f"{n:>3} {label:<24} {backend:<7} {tps:>8.1f} {step_s * 1e3:>8.1f} {tps / hf[4]:>6.2f} "
+              f"{by_bytes * 1e3:>16.1f} {by_flop * 1e3:>15.1f} {step_s / max(by_bytes, by_flop):>7.2f}")
+    print(f"matmul rate: float32 {rates[torch.float32] / 1e9:.0f} GFLOP/s, "
+          f"bfloat16 {rates[torch.bfloat16] / 1e9:.0f} GFLOP/s; x hf compares with hf in the same dtype "
+          f"(bfloat16 for the dtype=bf16 row); x floor = ms/step over the larger floor")
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description="Benchmark the hf and kv sampling backends side by side.")
+    parser.add_argument("--bench", action="store_true", required=True)
+    parser.add_argument("--model-config", default="embedded",
+                        help="'embedded' (default), 'qwen2.5-1.5b' (random weights) or a config.json path")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--n", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--compile", action="store_true", help="torch.compile the kv decode step")
+    args = parser.parse_args()
+    bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile)
