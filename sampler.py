@@ -28,11 +28,19 @@ Design of "kv":
     live rows are copied to the front of the cache and the batch shrinks, so they stop costing compute.
   - Waves: the cache size (2 * layers * rows * kv heads * max length * head dim * bytes per element) is
     computed before allocating; rows are split into waves that fit `memory_budget` instead of failing.
-  - Sampling: temperature, then exact top-p with one torch.Generator per call (a seed repeats a call; rows
-    of one prompt draw different numbers). transformers sorts all 152k logits every step; here tokens
+  - Sampling: temperature, then exact top-p. transformers sorts all 152k logits every step; here tokens
     with probability below (1 - top_p) / V are dropped first: together they weigh less than 1 - top_p, so
     the nucleus (smallest set of top tokens with mass >= top_p) lies among the rest, and only those are
     sorted (top-k with k = the largest number of survivors in any row). The result is the same nucleus.
+  - Seeds are per prompt: prompt p's n rows draw their uniforms u (n, max_new_tokens) up front from a
+    generator seeded with seed[p], and row r takes token c_i at step j for the first candidate i with
+        P_1 + ... + P_i >= u[r, j] * (P_1 + ... + P_k)       (inverse CDF; candidates ordered by probability,
+    ties by token id), so a row's draws follow it through waves and compaction, and what a prompt gets is a
+    function of (model, prompt, seed[p], options) alone, not of the prompts sharing its call. An int seed
+    stands for the per-prompt seeds a generator seeded with it draws: prompt p's samples then depend on
+    (seed, p). Tokens are identical only where the forward pass is too: bfloat16 on CPUs (oneDNN) gives a
+    row the same logits whatever the batch; float32 on MKL does not (its GEMM rounds differently for 1, 2-3
+    and >= 4 rows, and attention sums in an order that shifts with the left padding); GPUs promise neither.
   - compile=True runs the decode step through torch.compile (CUDA graphs on GPU); it then attends over the
     whole cache, masked, so every step has the same shapes and nothing recompiles.
   - dtype: by default "kv" computes in the model's own dtype on its own weights (no copy). dtype=bfloat16 on
@@ -73,13 +81,16 @@ class Completion:
 
 
 def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature: float = 0.6,
-             top_p: float = 0.95, seed: int | None = None, backend: str = "kv", ignore_eos: bool = False,
+             top_p: float = 0.95, seed: int | list[int] | None = None, backend: str = "kv", ignore_eos: bool = False,
              dtype: torch.dtype | None = None, memory_budget: int | None = None, compile: bool = False):
     """n completions for each prompt: a list (one entry per prompt) of lists of n Completions.
 
     prompts: list of strings (needs `tokenizer`) or of token-id lists. temperature 0 is greedy decoding.
-    seed: makes the call repeatable; None draws one from torch's global generator (so torch.manual_seed
-    upstream makes a whole run repeatable). ignore_eos: keep sampling to max_new_tokens (benchmarks).
+    seed: None, an int or a list with one int per prompt. A list makes each prompt's completions depend only
+    on its own seed (not on the other prompts; "hf" then runs one transformers call per prompt). An int seeds
+    the call: "kv" derives per-prompt seeds from it, "hf" seeds its one batched call. None draws an int from
+    torch's global generator (so torch.manual_seed upstream makes a whole run repeatable).
+    ignore_eos: keep sampling to max_new_tokens (benchmarks).
     "kv" only: dtype (compute dtype; weights cast once per call), memory_budget (bytes for the KV cache and
     logits of one wave; default half the free memory), compile (torch.compile the decode step).
     """
@@ -99,6 +110,7 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature
     eos_ids = [] if ignore_eos else _eos_ids(model, tokenizer)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
+    prompt_seeds = _prompt_seeds(seed, len(prompt_ids))
     if backend == "kv":
         reason = kv_unsupported_reason(model)
         if reason:
@@ -107,11 +119,11 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature
             backend, dtype, memory_budget, compile = "hf", None, None, False
     with torch.inference_mode():
         if backend == "kv":
-            rows = _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, seed, eos_ids,
+            rows = _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, prompt_seeds, eos_ids,
                                 dtype, memory_budget, compile)
         else:
-            rows = _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p, seed,
-                                eos_ids, ignore_eos)
+            rows = _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p,
+                                seed if isinstance(seed, int) else prompt_seeds, eos_ids, ignore_eos)
     completions = []
     for p, ids in enumerate(prompt_ids):
         group = []
@@ -138,6 +150,16 @@ def _prompt_ids(tokenizer, prompts) -> list[list[int]]:
     return ids
 
 
+def _prompt_seeds(seed, n_prompts: int) -> list[int]:
+    """One seed per prompt: the list itself, or n_prompts draws of a generator seeded with the int."""
+    if isinstance(seed, int):
+        generator = torch.Generator().manual_seed(seed)
+        return torch.randint(0, 2**62, (n_prompts,), generator=generator).tolist()
+    if not isinstance(seed, (list, tuple)) or len(seed) != n_prompts or not all(isinstance(s, int) for s in seed):
+        raise ValueError(f"seed={seed!r}: pass None, an int, or a list of {n_prompts} ints (one per prompt)")
+    return list(seed)
+
+
 def _eos_ids(model, tokenizer) -> list[int]:
     """End-of-sequence ids: the model's generation config plus the tokenizer's (Qwen lists two)."""
     found = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -152,8 +174,15 @@ def _eos_ids(model, tokenizer) -> list[int]:
 # --------------------------------------------------------------------------- hf: the reference
 
 def _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p, seed, eos_ids, ignore_eos):
-    """transformers generate on the left-padded batch; returns (token_ids, finish_reason) per row."""
+    """transformers generate on the left-padded batch; returns (token_ids, finish_reason) per row.
+
+    seed: an int seeds the one batched call; a list (one per prompt) runs one call per prompt, each seeded.
+    """
     from transformers import GenerationConfig
+    if isinstance(seed, list):
+        return [row for ids, prompt_seed in zip(prompt_ids, seed)
+                for row in _generate_hf(model, tokenizer, [ids], n, max_new_tokens, temperature, top_p, prompt_seed,
+                                        eos_ids, ignore_eos)]
     device = next(model.parameters()).device
     pad_id = eos_ids[0] if eos_ids else (tokenizer.pad_token_id if tokenizer is not None else 0)
     width = max(map(len, prompt_ids))
@@ -318,28 +347,39 @@ def compiled_forward(device_type: str):
     return torch.compile(forward, dynamic=True, mode="reduce-overhead" if device_type == "cuda" else None)
 
 
-def sample_next(logits, temperature: float, top_p: float, generator):
-    """One token per row from float32 logits (rows, vocab): greedy at temperature 0, else temperature + top-p."""
+def sample_next(logits, temperature: float, top_p: float, uniforms):
+    """One token per row from float32 logits (rows, vocab): greedy at temperature 0, else temperature + top-p,
+    by inverse CDF at each row's uniform in [0, 1) (uniforms, (rows,)).
+
+    The first candidate whose cumulative probability reaches u * total is never one of probability 0 (the
+    cumulative sum is flat there), so no renormalisation is needed.
+    """
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p >= 1:
-        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    top_probs, top_ids = nucleus(probs, top_p)
-    choice = torch.multinomial(top_probs, 1, generator=generator)
-    return top_ids.gather(-1, choice).squeeze(-1)
+    ids = None
+    if top_p < 1:
+        probs, ids = nucleus(probs, top_p)
+    cdf = probs.cumsum(-1)
+    choice = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:])
+    return choice.squeeze(-1) if ids is None else ids.gather(-1, choice).squeeze(-1)
 
 
 def nucleus(probs, top_p: float):
-    """The top-p nucleus of each row of `probs` (rows, vocab) as (probs, ids), (rows, k), zero outside it.
+    """The top-p nucleus of each row of float32 `probs` (rows, vocab) as (probs, ids), (rows, k), zero outside it.
 
     A token is kept while the mass ranked strictly above it is below top_p (transformers' rule). Tokens
     under (1 - top_p) / vocab weigh less than 1 - top_p all together, so none of them is ever kept: only
-    the rest are sorted, k being the largest number of them in any row.
+    the rest are sorted, k being the largest number of them in any row. They are ranked by probability,
+    ties by token id (topk's order of equal probabilities can change with k, which depends on the other
+    rows), so a row's nucleus and its order are a function of that row alone.
     """
     bound = (1 - top_p) / probs.shape[-1]
     k = max(1, int((probs >= bound).sum(-1).max()))
-    top_probs, top_ids = probs.topk(k, dim=-1)
+    top_probs, top_ids = probs.topk(k, dim=-1, sorted=False)
+    # one sort ranks both: the bits of a float32 >= 0, read as an int, order like the float itself
+    ranked = ((top_probs.view(torch.int32).long() << 32) - top_ids).argsort(dim=-1, descending=True)
+    top_probs, top_ids = top_probs.gather(-1, ranked), top_ids.gather(-1, ranked)
     return top_probs.masked_fill(top_probs.cumsum(-1) - top_probs >= top_p, 0), top_ids
 
 
@@ -350,16 +390,17 @@ def _default_budget(device) -> int:
 
 
 def cache_bytes_per_row(model, length: int, dtype) -> int:
-    """Bytes of one row's keys and values at `length` columns, plus its float32 logits and sampling buffers."""
+    """Bytes of one row's keys and values at `length` columns, plus its float32 logits, sampling buffers and
+    uniforms."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     element = torch.empty((), dtype=dtype).element_size()
     cache = 2 * config.num_hidden_layers * config.num_key_value_heads * length * head_dim * element
-    return cache + 4 * config.vocab_size * 4
+    return cache + 4 * config.vocab_size * 4 + 4 * length
 
 
-def _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, seed, eos_ids, dtype, memory_budget,
-                 compile):
+def _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, prompt_seeds, eos_ids, dtype,
+                 memory_budget, compile):
     device = next(model.parameters()).device
     dtype = dtype or next(model.parameters()).dtype
     longest = max(map(len, prompt_ids))
@@ -374,21 +415,35 @@ def _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, seed,
                          f"({per_row} bytes); raise memory_budget or lower max_new_tokens")
     w = model_weights(model, dtype)
     cos, sin = rotary_tables(w, longest + max_new_tokens, dtype)
-    generator = torch.Generator(device=device).manual_seed(seed)
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     step = compiled_forward(device.type) if compile else forward
-    row_prompts = [p for p in range(len(prompt_ids)) for _ in range(n)]
+    n_rows = len(prompt_ids) * n  # row r samples for prompt r // n
     rows = []
-    for start in range(0, len(row_prompts), wave_rows):
-        wave = [prompt_ids[p] for p in row_prompts[start:start + wave_rows]]
-        rows += _decode_wave(w, wave, max_new_tokens, temperature, top_p, generator, eos, step, compile, cos, sin,
+    for start in range(0, n_rows, wave_rows):
+        stop = min(start + wave_rows, n_rows)
+        wave = [prompt_ids[r // n] for r in range(start, stop)]
+        uniforms = None if temperature == 0 else row_uniforms(prompt_seeds, n, max_new_tokens, start, stop).to(device)
+        rows += _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, step, compile, cos, sin,
                              dtype, device)
     return rows
 
 
-def _decode_wave(w, wave, max_new_tokens, temperature, top_p, generator, eos, step, compile, cos, sin, dtype,
+def row_uniforms(prompt_seeds, n, steps, start, stop):
+    """Uniforms in [0, 1), (stop - start, steps), for rows start .. stop-1 (row r samples for prompt r // n).
+
+    Prompt p's n rows are torch.rand(n, steps) of a CPU generator seeded with prompt_seeds[p], so a row's
+    draws depend on its prompt's seed and its index among that prompt's rows only (and not on the device).
+    """
+    first = start // n
+    draws = [torch.rand(n, steps, generator=torch.Generator().manual_seed(prompt_seeds[p]))
+             for p in range(first, (stop - 1) // n + 1)]
+    return torch.cat(draws)[start - first * n:stop - first * n]
+
+
+def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, step, compile, cos, sin, dtype,
                  device):
-    """Sample every row of one wave (consecutive rows of one prompt share its prefill)."""
+    """Sample every row of one wave (consecutive rows of one prompt share its prefill); row r draws its
+    token j with uniforms[r, j] (None when greedy)."""
     width = max(map(len, wave))  # prompts end at column `width`; completion token j sits in column width + j
     length = width + max_new_tokens
     n_rows = len(wave)
@@ -422,7 +477,7 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, generator, eos, st
     alive = torch.ones(n_rows, dtype=torch.bool, device=device)
     columns = torch.arange(length, device=device)
     for j in range(max_new_tokens):
-        tokens = sample_next(logits, temperature, top_p, generator)
+        tokens = sample_next(logits, temperature, top_p, None if uniforms is None else uniforms[batch, j])
         out[batch, j] = tokens
         if j == max_new_tokens - 1:
             break
@@ -522,7 +577,7 @@ def decode_floor(model, rows, context, dtype, bandwidth, flops_rate):
     return (weights * element + cache) / bandwidth, flop / flops_rate
 
 
-def bench(spec, device, ns, max_new_tokens, compile):
+def bench(spec, device, ns, max_new_tokens, compile, dtypes):
     from copy import deepcopy
     from tqdm import tqdm
     device = torch.device(device)
@@ -533,7 +588,7 @@ def bench(spec, device, ns, max_new_tokens, compile):
           f"prompt {len(prompt)} tokens, {max_new_tokens} new tokens, EOS ignored, temperature 0.6, top_p 0.95; "
           f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
     runs = []  # (label, model, kv options)
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         model = base if dtype == torch.float32 else deepcopy(base).to(dtype)
         name = str(dtype).removeprefix("torch.")
         runs += [(name, "hf", model, {}), (name, "kv", model, {"compile": compile})]
@@ -577,7 +632,10 @@ if __name__ == "__main__":
                         help="'embedded' (default), 'qwen2.5-1.5b' (random weights) or a config.json path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--n", type=int, nargs="+", default=[8, 32])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                        help="model dtypes to run (bfloat16 adds the dtype=bf16 row on float32 weights)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--compile", action="store_true", help="torch.compile the kv decode step")
     args = parser.parse_args()
-    bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile)
+    bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile,
+          [getattr(torch, name) for name in args.dtypes])

@@ -295,15 +295,12 @@ def question_seed(cfg: Config, step: int, qid: str, purpose: str) -> int:
 
 
 def sample_groups(policy, tokenizer, records, cfg: Config, n: int, temperature: float, step: int, purpose: str):
-    """n completions per record, each question with its own seed (one generate call per question)."""
-    groups = []
-    for rec in records:
-        [group] = generate(policy, tokenizer, [policy_prompt(tokenizer, rec["problem"])], n=n,
-                           max_new_tokens=cfg.max_new_tokens, temperature=temperature, top_p=cfg.top_p,
-                           seed=question_seed(cfg, step, rec["id"], purpose), backend=cfg.backend,
-                           dtype=sample_dtype(cfg))
-        groups.append(group)
-    return groups
+    """n completions per record, in one batched sampler call. Each question has its own seed, so what it gets
+    does not depend on which process or which batch it lands in."""
+    prompts = [policy_prompt(tokenizer, rec["problem"]) for rec in records]
+    seeds = [question_seed(cfg, step, rec["id"], purpose) for rec in records] if temperature > 0 else None
+    return generate(policy, tokenizer, prompts, n=n, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
+                    top_p=cfg.top_p, seed=seeds, backend=cfg.backend, dtype=sample_dtype(cfg))
 
 
 def sample_dtype(cfg: Config):
@@ -435,18 +432,16 @@ def question_batches(records: list[dict], cfg: Config) -> list[list[dict]]:
     return batches[:cfg.max_steps] if cfg.max_steps else batches
 
 
-def build_verifier(cfg: Config, tokenizer):
-    """The verifier callable (prompts -> completions): 'self' is a frozen copy of the policy's starting weights."""
-    if not cfg.verify:
+def build_verifier(cfg: Config, device):
+    """The verifier callable (prompts -> completions). 'self' is a frozen copy of the policy's starting weights,
+    loaded from --model (not from a checkpoint), kept in the sampling dtype since it never trains."""
+    if not cfg.verify or (cfg.eval_only and not cfg.eval_samples):
         return None
     spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
-    vmodel, vtok = load_model(spec)
-    vmodel.requires_grad_(False)
-    if _has_gpu():
-        vmodel.to("cuda")
+    vmodel, vtok = load_model(spec, dtype=sample_dtype(cfg))
+    vmodel.requires_grad_(False).to(device)
     return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,
-                          temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed,
-                          backend=cfg.backend, dtype=sample_dtype(cfg))
+                          temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed, backend=cfg.backend)
 
 
 def train(cfg: Config) -> Path:
@@ -463,7 +458,7 @@ def train(cfg: Config) -> Path:
         raise SystemExit(f"--resume {run_dir}: no checkpoint in it yet; start the run again without --resume")
 
     policy, tokenizer = load_model(str(checkpoint / "model") if checkpoint else cfg.model)
-    verifier = build_verifier(cfg, tokenizer)
+    verifier = build_verifier(cfg, acc.device)
     ref_model = load_model(cfg.model)[0].requires_grad_(False).to(acc.device) if cfg.kl_coef > 0 else None
     policy.train()
     optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)

@@ -9,7 +9,7 @@ from conftest import make_tiny_model
 from grpo import (cosine_schedule, group_advantages, grpo_step, make_optimizer, pad_batch, policy_loss,
                   token_logprobs)
 
-PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+GRPO_PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
 COMPLETIONS = [[11, 12], [13, 14, 15, 16], [17], [18, 19, 20]]
 
 
@@ -130,7 +130,7 @@ def test_pad_batch_right_pads_and_marks_completions():
 @pytest.mark.parametrize("tied", [True, False])
 def test_token_logprobs_equal_plain_log_softmax_gather(tokenizer, chunk_rows, tied):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
-    batch = pad_batch(PROMPTS, COMPLETIONS)
+    batch = pad_batch(GRPO_PROMPTS, COMPLETIONS)
     with torch.no_grad():
         logp, _ = token_logprobs(model, *batch, chunk_rows=chunk_rows)
         expected = _plain_logprobs(model, *batch)
@@ -138,7 +138,7 @@ def test_token_logprobs_equal_plain_log_softmax_gather(tokenizer, chunk_rows, ti
 
 
 def test_token_logprobs_entropy_equals_softmax_entropy(tiny_model):
-    batch = pad_batch(PROMPTS, COMPLETIONS)
+    batch = pad_batch(GRPO_PROMPTS, COMPLETIONS)
     with torch.no_grad():
         _, entropy = token_logprobs(tiny_model, *batch, chunk_rows=3)
         logits = tiny_model(input_ids=batch[0], attention_mask=batch[1]).logits.float()
@@ -151,7 +151,7 @@ def test_token_logprobs_entropy_equals_softmax_entropy(tiny_model):
 def test_token_logprobs_gradient_equals_plain_gradient(tokenizer, tied):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
     reference = copy.deepcopy(model)
-    batch = pad_batch(PROMPTS, COMPLETIONS)
+    batch = pad_batch(GRPO_PROMPTS, COMPLETIONS)
     weights = torch.randn(batch[0].shape, generator=torch.Generator().manual_seed(0))
     (token_logprobs(model, *batch, chunk_rows=3)[0] * weights).sum().backward()
     (_plain_logprobs(reference, *batch) * weights).sum().backward()
@@ -169,7 +169,7 @@ def test_micro_batches_give_the_full_batch_update(tiny_model, agg):
         model = copy.deepcopy(tiny_model)
         before = [p.detach().clone() for p in model.parameters()]
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        grpo_step(model, optimizer, cosine_schedule(optimizer, 1), PROMPTS, COMPLETIONS, rewards, 2,
+        grpo_step(model, optimizer, cosine_schedule(optimizer, 1), GRPO_PROMPTS, COMPLETIONS, rewards, 2,
                   agg=agg, norm_len=4, token_budget=token_budget, max_grad_norm=math.inf, bf16=False)
         deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
     assert deltas[0].abs().max() > 0
@@ -178,7 +178,7 @@ def test_micro_batches_give_the_full_batch_update(tiny_model, agg):
 
 def test_second_update_on_a_batch_measures_ratios_against_the_sampling_policy(tiny_model):
     optimizer = torch.optim.SGD(tiny_model.parameters(), lr=1.0)
-    metrics = grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 2), PROMPTS, COMPLETIONS,
+    metrics = grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 2), GRPO_PROMPTS, COMPLETIONS,
                         [1.0, 0.0, 0.0, 1.0], 2, updates_per_batch=2, bf16=False)
     assert abs(metrics["ratio"] - 1) > 1e-3  # the first update's ratios are 1; the second's are not
 
@@ -186,7 +186,7 @@ def test_second_update_on_a_batch_measures_ratios_against_the_sampling_policy(ti
 def test_float32_master_weights_keep_updates_below_bfloat16_resolution(tiny_model):
     norm = tiny_model.model.norm.weight  # initialised to exactly 1.0
     optimizer = make_optimizer(tiny_model, lr=5e-7)
-    grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 10), PROMPTS, COMPLETIONS,
+    grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 10), GRPO_PROMPTS, COMPLETIONS,
               [1.0, 0.0, 0.0, 1.0], 2, bf16=True)
     moved = norm.detach() != 1.0
     assert moved.any()
@@ -219,7 +219,7 @@ def test_grpo_step_runs_under_accelerate(tiny_model):
     accelerator = Accelerator(cpu=True)
     optimizer = make_optimizer(tiny_model, lr=1e-3)
     model, optimizer = accelerator.prepare(tiny_model, optimizer)
-    metrics = grpo_step(model, optimizer, cosine_schedule(optimizer, 10), PROMPTS, COMPLETIONS,
+    metrics = grpo_step(model, optimizer, cosine_schedule(optimizer, 10), GRPO_PROMPTS, COMPLETIONS,
                         [1.0, 0.0, 0.0, 1.0], 2, accelerator=accelerator)
     assert metrics["grad_norm"] > 0 and metrics["response_tokens"] == 10
 

@@ -42,7 +42,7 @@ def write_bench(folder: Path, questions):
 def tiny_argv(tiny_dir, out_dir, **extra):
     options = dict(preset="cpu", model=str(tiny_dir), bench="demo", n_votes=4, n_train=2, questions_per_step=2,
                    max_steps=4, max_new_tokens=12, verifier_max_new_tokens=8, lr=1e-3, save_every=2,
-                   eval_samples=2, out_dir=str(out_dir), run_name="run", backend="kv", sample_dtype="float32",
+                   eval_samples=2, out_dir=str(out_dir), run_name="run", backend="kv", sample_dtype="bfloat16",
                    bf16=False, grad_checkpointing=False)
     options.update(extra)
     flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
@@ -53,7 +53,7 @@ def tiny_argv(tiny_dir, out_dir, **extra):
 @pytest.fixture()
 def patched(monkeypatch):
     monkeypatch.setattr(t3rl, "extract_answer", fake_answer)
-    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, tok: scripted_verifier if cfg.verify else None)
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device: scripted_verifier if cfg.verify else None)
 
 
 def rows(run_dir, name):
@@ -117,6 +117,14 @@ def test_episodes_pass_over_every_question_in_a_seeded_order():
 
 # ---------------------------------------------------------------------------------------------------------------
 # the loop
+
+def test_self_verifier_answers_each_prompt_and_no_verify_builds_none(tiny_dir, tmp_path):
+    cfg = t3rl.parse_config(tiny_argv(tiny_dir, tmp_path))
+    verify = t3rl.build_verifier(cfg, torch.device("cpu"))
+    [completion] = verify(["Is 2 + 2 = 4?"])
+    assert isinstance(completion, str) and 0 < completion.num_tokens <= cfg.verifier_max_new_tokens
+    assert t3rl.build_verifier(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path, verify=False)), "cpu") is None
+
 
 def test_ground_truth_never_reaches_rewards_or_parameters(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "real", QUESTIONS)

@@ -5,7 +5,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausa
 from transformers.generation.logits_process import TopPLogitsWarper
 
 from conftest import make_tiny_model
-from sampler import generate, nucleus, sample_next
+from sampler import cache_bytes_per_row, generate, nucleus, sample_next
 
 PROMPTS = [[9707, 11, 1879, 0, 358, 1079, 264, 1614, 13], [785, 4226], [10061, 594, 1744, 3019, 553, 3019, 13]]
 
@@ -112,10 +112,36 @@ def test_same_seed_repeats_a_call():
     assert token_rows(first) != token_rows(other)
 
 
-def test_rows_of_one_prompt_differ():
-    result = generate(small_vocab_model(), None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=7)
+@pytest.mark.parametrize("seed", [7, [7, 8, 9]])
+def test_rows_of_one_prompt_differ(seed):
+    result = generate(small_vocab_model(), None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=seed, ignore_eos=True)
     for group in result:
         assert len({tuple(c.token_ids) for c in group}) == 4
+
+
+# Per-prompt seeds give a prompt the same tokens in any company only where the forward pass gives its rows the
+# same logits in any batch: bfloat16 on CPU does; float32 on MKL does not (see sampler.py), hence dtype below.
+@pytest.mark.parametrize("backend,options", [("kv", dict(dtype=torch.bfloat16)), ("hf", {})])
+def test_a_prompts_samples_do_not_depend_on_the_prompts_sharing_its_call(tokenizer, backend, options):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    longer = PROMPTS[2] + PROMPTS[0]  # shifts the first prompt's left padding
+    sample = dict(n=3, max_new_tokens=12, temperature=0.6, top_p=0.95, backend=backend, **options)
+    alone = generate(model, None, [PROMPTS[0]], seed=[11], **sample)
+    among = generate(model, None, [longer, PROMPTS[1], PROMPTS[0]], seed=[6, 5, 11], **sample)
+    assert token_rows(among)[2] == token_rows(alone)[0]
+    assert len({tuple(c.token_ids) for c in alone[0]}) == 3
+
+
+def test_samples_do_not_depend_on_waves_or_on_finished_rows_leaving_the_batch():
+    model = small_vocab_model()
+    model.generation_config.eos_token_id = [14, 23]  # frequent tokens: rows finish at different steps
+    sample = dict(n=4, max_new_tokens=10, seed=[3, 1, 2], dtype=torch.bfloat16)
+    whole = generate(model, None, SMALL_PROMPTS, **sample)
+    one_row = cache_bytes_per_row(model, max(map(len, SMALL_PROMPTS)) + 10, torch.bfloat16)
+    waves = generate(model, None, SMALL_PROMPTS, memory_budget=one_row, **sample)
+    assert token_rows(waves) == token_rows(whole)
+    lengths = [c.num_tokens for g in whole for c in g]
+    assert min(lengths) < max(lengths) == 10, "no row left the batch early: the test would not cover compaction"
 
 
 def test_eos_ends_a_row_with_the_eos_token_and_others_run_to_length(tokenizer):
@@ -185,6 +211,7 @@ def test_other_architectures_fall_back_to_hf(tokenizer, capsys):
     (dict(temperature=-1), "temperature"),
     (dict(prompts="just a string"), "list"),
     (dict(prompts=[[]]), "empty"),
+    (dict(seed=[1, 2]), "seed"),
 ])
 def test_bad_arguments_raise_a_clear_error(tokenizer, kwargs, match):
     args = dict(prompts=PROMPTS, n=2, max_new_tokens=4) | kwargs

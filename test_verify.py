@@ -40,7 +40,7 @@ class CountingPool:
 
 
 @pytest.fixture(scope="module")
-def pool():
+def verify_pool():
     with SandboxPool(timeout=2.0) as p:
         yield p
 
@@ -52,90 +52,90 @@ def verify_one(completion, answer, pool):
 
 # -------------------------------------------------------------------------------------------- statuses
 
-def test_computed_right_answer_is_verified(pool):
-    r = verify_one(block("print(sum(range(1, 11)))"), "55", pool)
+def test_computed_right_answer_is_verified(verify_pool):
+    r = verify_one(block("print(sum(range(1, 11)))"), "55", verify_pool)
     assert (r.v, r.status, r.result) == (1, "verified", "55")
 
 
-def test_printing_the_candidate_literally_is_hardcoded(pool):
-    r = verify_one(block("# the trace says 55\nprint(55)"), "55", pool)
+def test_printing_the_candidate_literally_is_hardcoded(verify_pool):
+    r = verify_one(block("# the trace says 55\nprint(55)"), "55", verify_pool)
     assert (r.v, r.status) == (0, "hardcoded")
 
 
-def test_computed_wrong_answer_is_a_mismatch(pool):
-    r = verify_one(block("print(sum(range(1, 10)))"), "55", pool)
+def test_computed_wrong_answer_is_a_mismatch(verify_pool):
+    r = verify_one(block("print(sum(range(1, 10)))"), "55", verify_pool)
     assert (r.v, r.status, r.result) == (0, "mismatch", "45")
 
 
-def test_result_is_the_last_nonempty_line(pool):
-    r = verify_one(block("print('checking', 10)\nprint(sum(range(1, 11)))\nprint()"), "55", pool)
+def test_result_is_the_last_nonempty_line(verify_pool):
+    r = verify_one(block("print('checking', 10)\nprint(sum(range(1, 11)))\nprint()"), "55", verify_pool)
     assert (r.status, r.result) == ("verified", "55")
 
 
-def test_equivalent_spelling_is_verified(pool):
-    r = verify_one(block("from fractions import Fraction\nprint(Fraction(110, 4))"), "\\frac{55}{2}", pool)
+def test_equivalent_spelling_is_verified(verify_pool):
+    r = verify_one(block("from fractions import Fraction\nprint(Fraction(110, 4))"), "\\frac{55}{2}", verify_pool)
     assert r.status == "verified"
 
 
-def test_machine_float_matches_rational_answer(pool):
-    r = verify_one(block("print(1 / 3)"), "\\frac{1}{3}", pool)
+def test_machine_float_matches_rational_answer(verify_pool):
+    r = verify_one(block("print(1 / 3)"), "\\frac{1}{3}", verify_pool)
     assert r.status == "verified"
 
 
-def test_rounded_decimal_does_not_match(pool):
-    r = verify_one(block("print(round(1 / 3, 2))"), "\\frac{1}{3}", pool)
+def test_rounded_decimal_does_not_match(verify_pool):
+    r = verify_one(block("print(round(1 / 3, 2))"), "\\frac{1}{3}", verify_pool)
     assert r.status == "mismatch"
 
 
-def test_sympy_output_is_compared_symbolically(pool):
-    r = verify_one(block("import sympy\nprint(sympy.sqrt(8) / 4)"), "\\frac{\\sqrt{2}}{2}", pool)
+def test_sympy_output_is_compared_symbolically(verify_pool):
+    r = verify_one(block("import sympy\nprint(sympy.sqrt(8) / 4)"), "\\frac{\\sqrt{2}}{2}", verify_pool)
     assert r.status == "verified"
 
 
-def test_sympy_imaginary_unit_is_read_as_i(pool):
-    r = verify_one(block("import sympy\nprint(sympy.expand((2 + 3 * sympy.I) * 3))"), "6+9i", pool)
+def test_sympy_imaginary_unit_is_read_as_i(verify_pool):
+    r = verify_one(block("import sympy\nprint(sympy.expand((2 + 3 * sympy.I) * 3))"), "6+9i", verify_pool)
     assert r.status == "verified"
 
 
-def test_completion_without_code_is_no_code(pool):
-    r = verify_one("The candidate is right, the answer is 55.", "55", pool)
+def test_completion_without_code_is_no_code(verify_pool):
+    r = verify_one("The candidate is right, the answer is 55.", "55", verify_pool)
     assert (r.v, r.status, r.code) == (0, "no_code", None)
 
 
-def test_crashing_program_is_exec_error(pool):
-    r = verify_one(block("print(55 / 0)"), "55", pool)
+def test_crashing_program_is_exec_error(verify_pool):
+    r = verify_one(block("print(55 / 0)"), "55", verify_pool)
     assert (r.v, r.status) == (0, "exec_error")
 
 
-def test_syntax_error_is_exec_error(pool):
-    r = verify_one(block("print(sum(range(1, 11))"), "55", pool)
+def test_syntax_error_is_exec_error(verify_pool):
+    r = verify_one(block("print(sum(range(1, 11))"), "55", verify_pool)
     assert (r.v, r.status) == (0, "exec_error")
 
 
-def test_hanging_program_is_timeout(pool):
-    r = verify_one(block("while True:\n    pass"), "55", pool)
+def test_hanging_program_is_timeout(verify_pool):
+    r = verify_one(block("while True:\n    pass"), "55", verify_pool)
     assert (r.v, r.status) == (0, "timeout")
 
 
-def test_missing_answer_is_no_answer_without_a_verifier_call(pool):
+def test_missing_answer_is_no_answer_without_a_verifier_call(verify_pool):
     verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"))
-    results = verify_batch([PROBLEM, PROBLEM], ["no box here", ROLLOUT], [None, "55"], verifier, sandbox=pool)
+    results = verify_batch([PROBLEM, PROBLEM], ["no box here", ROLLOUT], [None, "55"], verifier, sandbox=verify_pool)
     assert [r.status for r in results] == ["no_answer", "verified"]
     assert len(verifier.batches[0]) == 1
 
 
 # -------------------------------------------------------------------------------------------- batching
 
-def test_one_verifier_call_and_one_sandbox_run_per_batch(pool):
+def test_one_verifier_call_and_one_sandbox_run_per_batch(verify_pool):
     verifier = ScriptedVerifier(*[block(f"print({k} * 11)") for k in range(4)])
-    counting = CountingPool(pool)
+    counting = CountingPool(verify_pool)
     results = verify_batch([PROBLEM] * 4, [ROLLOUT] * 4, ["0", "11", "22", "34"], verifier, sandbox=counting)
     assert (len(verifier.batches), counting.calls) == (1, 1)
     assert [r.v for r in results] == [1, 1, 1, 0]
 
 
-def test_programs_run_in_the_sandbox_not_in_process(pool):
-    r = verify_one(block("import os\nprint(os.getpid())"), "55", pool)
+def test_programs_run_in_the_sandbox_not_in_process(verify_pool):
+    r = verify_one(block("import os\nprint(os.getpid())"), "55", verify_pool)
     assert r.result is not None and r.result != str(os.getpid())
 
 
@@ -160,33 +160,33 @@ def test_custom_tool_decides_the_verdict():
 
 # -------------------------------------------------------------------------------------------- budget
 
-def test_budget_verifies_only_k_per_answer_class(pool):
+def test_budget_verifies_only_k_per_answer_class(verify_pool):
     answers = ["\\frac12", "0.5", "1/2", "2", "2", "2"]  # two classes: 1/2 (three spellings) and 2
     verifier = ScriptedVerifier(*[block("print(1 / 2)")] * 2 + [block("print(1 + 1)")] * 2)
-    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, sandbox=pool, budget=2)
+    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, sandbox=verify_pool, budget=2)
     assert len(verifier.batches[0]) == 4
     assert [r.inferred for r in results] == [False, False, True, False, False, True]
 
 
-def test_budget_shares_the_majority_outcome_of_the_class(pool):
+def test_budget_shares_the_majority_outcome_of_the_class(verify_pool):
     answers = ["55"] * 5
     verifier = ScriptedVerifier(block("print(55 + 0 * len('x'))"), block("print(54 + len('x'))"),
                                 block("print(1 / 0)"))
-    results = verify_batch([PROBLEM] * 5, [ROLLOUT] * 5, answers, verifier, sandbox=pool, budget=3)
+    results = verify_batch([PROBLEM] * 5, [ROLLOUT] * 5, answers, verifier, sandbox=verify_pool, budget=3)
     assert [r.v for r in results] == [1, 1, 0, 1, 1]
     assert [r.status for r in results[3:]] == ["verified", "verified"]
 
 
-def test_budget_tie_inherits_unverified(pool):
+def test_budget_tie_inherits_unverified(verify_pool):
     verifier = ScriptedVerifier(block("print(54 + len('x'))"), block("print(54)"))
-    results = verify_batch([PROBLEM] * 3, [ROLLOUT] * 3, ["55"] * 3, verifier, sandbox=pool, budget=2)
+    results = verify_batch([PROBLEM] * 3, [ROLLOUT] * 3, ["55"] * 3, verifier, sandbox=verify_pool, budget=2)
     assert results[2].v == 0 and results[2].inferred
 
 
-def test_budget_keeps_problems_apart(pool):
+def test_budget_keeps_problems_apart(verify_pool):
     other = "What is 5 times 11?"
     verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"), block("print(5 * 11)"))
-    results = verify_batch([PROBLEM, PROBLEM, other], [ROLLOUT] * 3, ["55"] * 3, verifier, sandbox=pool, budget=1)
+    results = verify_batch([PROBLEM, PROBLEM, other], [ROLLOUT] * 3, ["55"] * 3, verifier, sandbox=verify_pool, budget=1)
     assert [r.inferred for r in results] == [False, True, False]
 
 
