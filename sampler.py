@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 BACKENDS = ("kv", "hf")
 KV_MODEL_TYPES = ("llama", "qwen2")
@@ -82,7 +83,8 @@ class Completion:
 
 def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature: float = 0.6,
              top_p: float = 0.95, seed: int | list[int] | None = None, backend: str = "kv", ignore_eos: bool = False,
-             dtype: torch.dtype | None = None, memory_budget: int | None = None, compile: bool = False):
+             dtype: torch.dtype | None = None, memory_budget: int | None = None, compile: bool = False,
+             progress: str | None = None):
     """n completions for each prompt: a list (one entry per prompt) of lists of n Completions.
 
     prompts: list of strings (needs `tokenizer`) or of token-id lists. temperature 0 is greedy decoding.
@@ -92,7 +94,8 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature
     torch's global generator (so torch.manual_seed upstream makes a whole run repeatable).
     ignore_eos: keep sampling to max_new_tokens (benchmarks).
     "kv" only: dtype (compute dtype; weights cast once per call), memory_budget (bytes for the KV cache and
-    logits of one wave; default half the free memory), compile (torch.compile the decode step).
+    logits of one wave; default half the free memory), compile (torch.compile the decode step), progress (a
+    label: show a progress bar over decode steps, with the number of rows still sampling).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
@@ -120,7 +123,7 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature
     with torch.inference_mode():
         if backend == "kv":
             rows = _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, prompt_seeds, eos_ids,
-                                dtype, memory_budget, compile)
+                                dtype, memory_budget, compile, progress)
         else:
             rows = _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p,
                                 seed if isinstance(seed, int) else prompt_seeds, eos_ids, ignore_eos)
@@ -400,7 +403,7 @@ def cache_bytes_per_row(model, length: int, dtype) -> int:
 
 
 def _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, prompt_seeds, eos_ids, dtype,
-                 memory_budget, compile):
+                 memory_budget, compile, progress):
     device = next(model.parameters()).device
     dtype = dtype or next(model.parameters()).dtype
     longest = max(map(len, prompt_ids))
@@ -423,8 +426,9 @@ def _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, promp
         stop = min(start + wave_rows, n_rows)
         wave = [prompt_ids[r // n] for r in range(start, stop)]
         uniforms = None if temperature == 0 else row_uniforms(prompt_seeds, n, max_new_tokens, start, stop).to(device)
+        label = progress and (progress if stop - start == n_rows else f"{progress} (rows {start}-{stop - 1})")
         rows += _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, step, compile, cos, sin,
-                             dtype, device)
+                             dtype, device, label)
     return rows
 
 
@@ -441,7 +445,7 @@ def row_uniforms(prompt_seeds, n, steps, start, stop):
 
 
 def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, step, compile, cos, sin, dtype,
-                 device):
+                 device, progress=None):
     """Sample every row of one wave (consecutive rows of one prompt share its prefill); row r draws its
     token j with uniforms[r, j] (None when greedy)."""
     width = max(map(len, wave))  # prompts end at column `width`; completion token j sits in column width + j
@@ -476,9 +480,12 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, ste
     batch = torch.arange(n_rows, device=device)  # wave row of each batch row
     alive = torch.ones(n_rows, dtype=torch.bool, device=device)
     columns = torch.arange(length, device=device)
+    bar = tqdm(total=max_new_tokens, desc=progress, unit="tok", leave=False, disable=not progress)
     for j in range(max_new_tokens):
         tokens = sample_next(logits, temperature, top_p, None if uniforms is None else uniforms[batch, j])
         out[batch, j] = tokens
+        bar.update()
+        bar.set_postfix(rows=len(batch), refresh=False)
         if j == max_new_tokens - 1:
             break
         if len(eos):
@@ -501,6 +508,7 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, ste
         mask = ((seen >= first[:, None]) & (seen <= col))[:, None, None, :]
         logits = step(w, tokens[:, None], (col - first)[:, None], columns[col:col + 1], k_cache[:, :rows],
                       v_cache[:, :rows], mask, cos, sin)
+    bar.close()
     out = out.tolist()
     return [(out[row][:ends[row]], reasons[row]) for row in range(n_rows)]
 

