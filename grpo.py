@@ -313,7 +313,9 @@ def grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_
     device = accelerator.device if accelerator is not None else next(model.parameters()).device
     processes = accelerator.num_processes if accelerator is not None else 1
     bf16 = bf16_supported(device) if bf16 is None else bf16
-    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16)
+    # no autocast weight cache: it would keep a bfloat16 copy of every weight alive for the whole pass (1.2 GB
+    # here); recasting per use costs less time than it saves memory (python grpo.py --bench: 9.2 -> 8.1 GB)
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
 
     advantages = group_advantages(rewards, group_size, scale=scale_advantages).to(device)   # [B]
     zero_groups = (advantages.view(-1, group_size) == 0).all(dim=1).float().mean()

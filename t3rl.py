@@ -29,7 +29,9 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from accelerate.utils import gather_object
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
 from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
@@ -271,7 +273,6 @@ def _check_config(cfg: Config, parser):
 
 
 def _has_gpu() -> bool:
-    import torch
     return torch.cuda.is_available()
 
 
@@ -310,7 +311,6 @@ def sampler_options(cfg: Config) -> dict:
 
 def sample_dtype(cfg: Config):
     """Compute dtype for sampling: bfloat16 where the hardware runs it fast, unless the user says otherwise."""
-    import torch
     if cfg.sample_dtype == "auto":
         device = torch.device("cuda" if _has_gpu() else "cpu")
         return torch.bfloat16 if bf16_supported(device) else torch.float32
@@ -401,7 +401,6 @@ def keep_jsonl(path: Path, keep):
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, acc):
     """checkpoint/ = model and tokenizer (save_pretrained, a loadable --model folder) + optimizer, scheduler,
     RNG states and step; swapped in atomically."""
-    import torch
     if acc.is_main_process:
         tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -450,9 +449,6 @@ def build_verifier(cfg: Config, device):
 
 
 def train(cfg: Config) -> Path:
-    import torch
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
     acc = Accelerator(cpu=not _has_gpu())
     set_seed(cfg.seed)
     run_dir = Path(cfg.resume) if cfg.resume else new_run_dir(cfg)

@@ -101,7 +101,7 @@ def test_missing_part_names_the_package_and_the_fix(tmp_path, monkeypatch):
 
 
 def test_truncated_part_is_reported_and_leaves_no_cache(tmp_path, monkeypatch):
-    parts = _fake_parts(tmp_path, monkeypatch, [300, 300])
+    _fake_parts(tmp_path, monkeypatch, [300, 300])
     (tmp_path / "site" / "fake_part2" / "data" / "part02.bin").write_bytes(b"x" * 100)
     with pytest.raises(model_lib.ModelLoadError, match=r"part02.bin has 100 bytes, expected 300.*force-reinstall fake-part2"):
         model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
