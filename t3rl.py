@@ -384,6 +384,10 @@ def new_run_dir(cfg: Config) -> Path:
     return Path(cfg.out_dir) / name
 
 
+def read_jsonl_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 def append_jsonl(path: Path, rows: list[dict]):
     with open(path, "a", encoding="utf-8") as fh:
         fh.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
@@ -392,7 +396,7 @@ def append_jsonl(path: Path, rows: list[dict]):
 def keep_jsonl(path: Path, keep):
     """Rewrite a JSONL file with only the rows `keep` accepts (resume drops what came after the checkpoint)."""
     if path.is_file():
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        rows = read_jsonl_rows(path)
         tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows if keep(r)), encoding="utf-8")
         os.replace(tmp, path)
@@ -616,10 +620,6 @@ def format_step(row: dict, total: int) -> str:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Reports: summary table, curves, and the omega ablation replayed from saved rollouts
-
-def read_jsonl_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
 
 def summary(run_dir: Path) -> str:
     """Before vs after evaluation, and TTRL (majority) vs T3RL (weighted) pseudo-label accuracy during training."""
