@@ -626,6 +626,7 @@ def _warm_up():
     import sympy
     x = sympy.symbols("x")
     sympy.solve(x ** 3 - 2 * x + 7, x)  # first use pulls in many sympy submodules; pay it once here
+    sympy.solve(x ** 2 + 4 * x - 21, x)  # quadratics (most verifier programs) take another path: warm it too
     sympy.simplify(sympy.sqrt(8) + sympy.Rational(1, 3))
     numpy.linalg.solve(numpy.eye(2), numpy.ones(2))
     numpy.random.seed()  # the first seeding loads its entropy machinery (~20 ms); snippets reseed
