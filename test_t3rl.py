@@ -480,14 +480,14 @@ def _processes():
     return table
 
 
-def _descendants(pid, depth=1):
-    """Processes at least `depth` generations below `pid`."""
+def _descendants(pid, depth=1, exact=False):
+    """Processes at least (exact: exactly) `depth` generations below `pid`, from one look at the process table."""
     table = _processes()
     found, frontier, generation = set(), {pid}, 0
     while frontier:
         frontier = {p for p, (ppid, _) in table.items() if ppid in frontier}
         generation += 1
-        found |= frontier if generation >= depth else set()
+        found |= frontier if generation == depth or (generation > depth and not exact) else set()
     return found
 
 
@@ -659,7 +659,7 @@ def test_the_pool_survives_anything_a_snippet_does(pool, code, statuses):
 
 
 def test_a_dead_worker_is_reported_and_replaced(pool):
-    for worker in _descendants(pool._helper.pid, depth=2) - _descendants(pool._helper.pid, depth=3):
+    for worker in _descendants(pool._helper.pid, depth=2, exact=True):
         os.kill(worker, signal.SIGKILL)
     first = pool.run_many(["print(3)"] * 4)
     assert {r.status for r in first} <= {"ok", "killed"} and "killed" in {r.status for r in first}
