@@ -319,11 +319,11 @@ def sample_dtype(cfg: Config):
 
 def verify_groups(records, groups, answers, verifier, pool, cfg: Config):
     """v_i for every rollout of every question, through one batched verifier call and one sandbox batch."""
+    if not cfg.verify:
+        return [[None] * len(group) for group in groups]
     problems = [rec["problem"] for rec, group in zip(records, groups) for _ in group]
     texts = [c.text for group in groups for c in group]
     flat = [a for group in answers for a in group]
-    if not cfg.verify:
-        return [[None] * len(group) for group in groups]
     results = verify_batch(problems, texts, flat, verifier, sandbox=pool, budget=cfg.verify_budget)
     it = iter(results)
     return [[next(it) for _ in group] for group in groups]
@@ -543,9 +543,9 @@ def rl_step(step, questions, policy, ref_model, tokenizer, optimizer, scheduler,
         v = [r.v if r is not None else 0 for r in ver]
         label, _ = weighted_vote(ans, v, omega=cfg.omega, **ANSWER_CLASSES)
         r = rewards(ans, label, **ANSWER_CLASSES)
-        majority, _ = weighted_vote(ans, v, omega=1.0, **ANSWER_CLASSES)
         stats = group_metrics(ans, v, label, cfg.omega, gold=rec["answer"], **ANSWER_CLASSES)
-        stats["majority_label_accuracy"] = float(is_correct(majority, rec["answer"]))
+        # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke it
+        stats["majority_label_accuracy"] = stats["label_accuracy"] - stats["flip_fixed"] + stats["flip_broke"]
         correct = [is_correct(a, rec["answer"]) for a in ans]
         stats["verified"] = sum(v)
         stats["verified_correct"] = sum(vi and ci for vi, ci in zip(v, correct))
