@@ -644,6 +644,13 @@ def test_200_snippets_at_once_all_finish_correctly(pool):
     assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(200)]
 
 
+def test_code_arriving_at_any_moment_of_the_idle_prefault_runs_correctly(pool):
+    # one at a time, so each request lands somewhere in the waiting process's prefault solve
+    results = [pool.run(f"import signal, time\ntime.sleep({i % 7} / 1e4)\n"
+                        f"print({i}, signal.getsignal(signal.SIGALRM) == signal.SIG_DFL)") for i in range(150)]
+    assert [(r.status, r.stdout) for r in results] == [("ok", f"{i} True\n") for i in range(150)]
+
+
 @pytest.mark.parametrize("code, statuses", [
     ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(1, signal.SIGKILL)", {"ok", "error"}),
     ("import os\nos.close(1)\nos.close(2)\nprint('gone')", {"ok", "error"}),
