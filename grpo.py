@@ -31,7 +31,7 @@ summed over all processes under DDP, so the accumulated gradient is the full bat
 Memory-lean: with a 152k vocabulary the logits dominate memory ([8, 512, 152k] is 2.5 GB in bfloat16,
 5 GB per float32 copy). token_logprobs never builds them: it takes the final hidden states, applies the
 output head to a chunk of response rows at a time (logsumexp plus gather, in float32), and its backward
-recomputes each chunk's logits instead of keeping them. Weights stay
+recomputes the logits a slice of the vocabulary at a time instead of keeping them. Weights stay
 float32 (master weights) under bfloat16 autocast: the paper's learning rate 5e-7 is below bfloat16's
 resolution near 1 (2^-8), so updates applied to bfloat16 weights would round away.
 
@@ -499,7 +499,7 @@ def bench(names):
           f"bf16 {rates['bf16'] / 1e9:.0f} GFLOP/s, fp32 {rates['fp32'] / 1e9:.0f} GFLOP/s; floor = 6 x params x "
           f"tokens / rate: bf16 {floors['bf16']:.0f} s, fp32 {floors['fp32']:.0f} s")
     print("AdamW moments (8 bytes/param) are included in peak for every row but hf-baseline (forward+backward only)")
-    print(f"{'config':<12} {'seconds':>8} {'tok/s':>7} {'x floor':>8} {'x base':>7} {'peak GB':>8} {'w/o moments':>12}")
+    print(f"{'config':<12} {'seconds':>8} {'tok/s':>7} {'x floor':>8} {'x base':>7} {'peak GiB':>8} {'w/o moments':>12}")
     for r in results:
         floor = floors["bf16" if BENCH_CONFIGS[r["name"]][0] else "fp32"]
         moments = 0.0 if r["name"] == "hf-baseline" else 8 * params / 2**30

@@ -42,7 +42,8 @@ Design of "kv":
     row the same logits whatever the batch; float32 on MKL does not (its GEMM rounds differently for 1, 2-3
     and >= 4 rows, and attention sums in an order that shifts with the left padding); GPUs promise neither.
   - compile=True runs the decode step through torch.compile (CUDA graphs on GPU); it then attends over the
-    whole cache, masked, so every step has the same shapes and nothing recompiles.
+    whole cache, masked, so every step has the same shapes and nothing recompiles. Meant for GPUs: on a
+    2-core CPU it measured 2.6x slower than eager (`python sampler.py --bench --compile`).
   - dtype: by default "kv" computes in the model's own dtype on its own weights (no copy). dtype=bfloat16 on
     a float32 model casts the weights once per call (the loop keeps float32 master weights; bfloat16
     matmuls are ~4x faster on CPUs with AVX-512 bf16, see `python sampler.py --bench`).
@@ -585,6 +586,16 @@ def decode_floor(model, rows, context, dtype, bandwidth, flops_rate):
     return (weights * element + cache) / bandwidth, flop / flops_rate
 
 
+def matmul_seconds(model, rows, dtype, device) -> float:
+    """One decode step's matrix products alone (every layer's projections and the head) on `rows` rows with
+    the model's weights, at their best: what a step would cost if nothing else took any time."""
+    w = model_weights(model, dtype)
+    linears = [lin for layer in w.layers for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up,
+                                                       layer.down)] + [(w.head, None)]
+    inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=dtype, device=device) for weight, _ in linears}
+    return 1 / _rate(lambda: [F.linear(inputs[weight.shape[1]], weight, bias) for weight, bias in linears], device, 1.0)
+
+
 def bench(spec, device, ns, max_new_tokens, compile, dtypes):
     from copy import deepcopy
     from tqdm import tqdm
@@ -599,9 +610,12 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
     for dtype in dtypes:
         model = base if dtype == torch.float32 else deepcopy(base).to(dtype)
         name = str(dtype).removeprefix("torch.")
-        runs += [(name, "hf", model, {}), (name, "kv", model, {"compile": compile})]
+        runs += [(name, "hf", model, {}), (name, "kv", model, {})]
         if dtype == torch.bfloat16:
-            runs.append(("f32 weights, dtype=bf16", "kv", base, {"dtype": dtype, "compile": compile}))
+            runs.append(("f32 weights, dtype=bf16", "kv", base, {"dtype": dtype}))
+    if compile:  # compiled twins of the kv rows, measured beside them
+        runs += [(label, backend, model, {**options, "compile": True}) for label, backend, model, options in runs
+                 if backend == "kv"]
     rates = {dtype: measure_matmul(device, dtype) for dtype in (torch.float32, torch.bfloat16)}
     table = []
     for n in ns:
@@ -619,17 +633,21 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
             dtype = options.get("dtype") or next(model.parameters()).dtype
             by_bytes, by_flop = decode_floor(model, n, len(prompt) + max_new_tokens / 2, dtype, bandwidth,
                                              rates[dtype])
-            table.append((n, label, backend, dtype, n * max_new_tokens / seconds, seconds / max_new_tokens,
-                          by_bytes, by_flop))
-    print(f"\n{'n':>3} {'dtype':<24} {'backend':<7} {'tok/s':>8} {'ms/step':>8} {'x hf':>6} "
-          f"{'floor ms (bytes)':>16} {'floor ms (FLOP)':>15} {'x floor':>7}")
-    for n, label, backend, dtype, tps, step_s, by_bytes, by_flop in table:
+            matmuls = matmul_seconds(model, n, dtype, device)
+            shown = backend + ("+compile" if options.get("compile") else "")
+            table.append((n, label, shown, dtype, n * max_new_tokens / seconds, seconds / max_new_tokens,
+                          by_bytes, by_flop, matmuls))
+    print(f"\n{'n':>3} {'dtype':<24} {'backend':<10} {'tok/s':>8} {'ms/step':>8} {'x hf':>6} "
+          f"{'floor ms (bytes)':>16} {'floor ms (FLOP)':>15} {'x floor':>7} {'matmuls ms':>10}")
+    for n, label, backend, dtype, tps, step_s, by_bytes, by_flop, matmuls in table:
         hf = next(t for t in table if t[0] == n and t[2] == "hf" and t[3] == dtype)
-        print(f"{n:>3} {label:<24} {backend:<7} {tps:>8.1f} {step_s * 1e3:>8.1f} {tps / hf[4]:>6.2f} "
-              f"{by_bytes * 1e3:>16.1f} {by_flop * 1e3:>15.1f} {step_s / max(by_bytes, by_flop):>7.2f}")
+        print(f"{n:>3} {label:<24} {backend:<10} {tps:>8.1f} {step_s * 1e3:>8.1f} {tps / hf[4]:>6.2f} "
+              f"{by_bytes * 1e3:>16.1f} {by_flop * 1e3:>15.1f} {step_s / max(by_bytes, by_flop):>7.2f} "
+              f"{matmuls * 1e3:>10.1f}")
     print(f"matmul rate: float32 {rates[torch.float32] / 1e9:.0f} GFLOP/s, "
           f"bfloat16 {rates[torch.bfloat16] / 1e9:.0f} GFLOP/s; x hf compares with hf in the same dtype "
-          f"(bfloat16 for the dtype=bf16 row); x floor = ms/step over the larger floor")
+          f"(bfloat16 for the dtype=bf16 row); x floor = ms/step over the larger floor; matmuls = the step's matrix "
+          f"products alone, timed on their own with these weights")
 
 
 if __name__ == "__main__":
@@ -643,7 +661,7 @@ if __name__ == "__main__":
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                         help="model dtypes to run (bfloat16 adds the dtype=bf16 row on float32 weights)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--compile", action="store_true", help="torch.compile the kv decode step")
+    parser.add_argument("--compile", action="store_true", help="add rows with the kv decode step under torch.compile")
     args = parser.parse_args()
     bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile,
           [getattr(torch, name) for name in args.dtypes])
