@@ -210,7 +210,7 @@ def _recv(sock):
 # The snippet process: forked by the worker ahead of time, locked down, then it waits for its code.
 # Status pipe protocol (child -> worker): b"m" when a MemoryError escaped, then b"x" + exit code as last words.
 
-class _CodeArrived(Exception):
+class _CodeArrived(BaseException):  # not an Exception: sympy's own `except Exception` must not swallow it
     pass
 
 
