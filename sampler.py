@@ -379,7 +379,8 @@ def nucleus(probs, top_p: float):
     rows), so a row's nucleus and its order are a function of that row alone.
     """
     bound = (1 - top_p) / probs.shape[-1]
-    k = max(1, int((probs >= bound).sum(-1).max()))
+    # int32: a plain sum of bools widens all rows x vocab to int64 first (11 ms vs 1.3 ms at 32 x 152k)
+    k = max(1, int((probs >= bound).sum(-1, dtype=torch.int32).max()))
     top_probs, top_ids = probs.topk(k, dim=-1, sorted=False)
     # one sort ranks both: the bits of a float32 >= 0, read as an int, order like the float itself
     ranked = ((top_probs.view(torch.int32).long() << 32) - top_ids).argsort(dim=-1, descending=True)
