@@ -322,7 +322,8 @@ def attention(q, k, v, mask):
 
 
 def forward(w: Weights, tokens, positions, columns, k_cache, v_cache, mask, cos_table, sin_table):
-    """Run `tokens` (rows, T) through the model; return the logits of each row's last token (rows, vocab).
+    """Run `tokens` (rows, T) through the model; return the logits of each row's last token (rows, vocab), in
+    the weights' dtype.
 
     Keys and values of the T tokens are written into cache columns `columns` (T,); attention reads
     cache columns [0, mask.shape[-1]) where `mask` (rows, 1, T, that width) is True.
@@ -342,7 +343,7 @@ def forward(w: Weights, tokens, positions, columns, k_cache, v_cache, mask, cos_
         x = x + F.linear(attn.transpose(1, 2).reshape(rows, T, -1), *layer.o)
         h = rms_norm(x, layer.post_norm, w.eps)
         x = x + F.linear(F.silu(F.linear(h, *layer.gate)) * F.linear(h, *layer.up), *layer.down)
-    return F.linear(rms_norm(x[:, -1], w.norm, w.eps), w.head).float()
+    return F.linear(rms_norm(x[:, -1], w.norm, w.eps), w.head)
 
 
 @functools.cache
@@ -351,16 +352,20 @@ def compiled_forward(device_type: str):
     return torch.compile(forward, dynamic=True, mode="reduce-overhead" if device_type == "cuda" else None)
 
 
-def sample_next(logits, temperature: float, top_p: float, uniforms):
+def sample_next(logits, temperature: float, top_p: float, uniforms, scratch=None):
     """One token per row from float32 logits (rows, vocab): greedy at temperature 0, else temperature + top-p,
-    by inverse CDF at each row's uniform in [0, 1) (uniforms, (rows,)).
+    by inverse CDF at each row's uniform in [0, 1) (uniforms, (rows,)). `scratch`, a float32 tensor shaped
+    like logits, holds the probabilities (a fresh [rows, vocab] tensor per step costs more in page faults
+    than the arithmetic on it).
 
     The first candidate whose cumulative probability reaches u * total is never one of probability 0 (the
     cumulative sum is flat there), so no renormalisation is needed.
     """
     if temperature == 0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
+    probs = torch.div(logits, temperature, out=scratch)                     # softmax, in place:
+    probs = probs.sub_(probs.amax(-1, keepdim=True)).exp_()
+    probs = probs.div_(probs.sum(-1, keepdim=True))
     ids = None
     if top_p < 1:
         probs, ids = nucleus(probs, top_p)
@@ -459,7 +464,9 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, ste
     v_cache = torch.zeros(shape, dtype=dtype, device=device)
     first = torch.tensor([len(p) for p in wave], device=device)
     first = width - first  # column of each row's first prompt token
-    logits = []
+    vocab = len(w.head)
+    logits = torch.empty(n_rows, vocab, dtype=torch.float32, device=device)  # float32 logits of the step
+    scratch = torch.empty_like(logits)                                     # their probabilities
     r = 0
     while r < n_rows:
         prompt = wave[r]
@@ -472,9 +479,8 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, ste
                                 causal, cos, sin)
         k_cache[:, r + 1:same, :, col:width] = k_cache[:, r:r + 1, :, col:width]
         v_cache[:, r + 1:same, :, col:width] = v_cache[:, r:r + 1, :, col:width]
-        logits.append(prompt_logits.expand(same - r, -1))
+        logits[r:same] = prompt_logits
         r = same
-    logits = torch.cat(logits)
 
     out = torch.empty(n_rows, max_new_tokens, dtype=torch.long, device=device)
     ends = [max_new_tokens] * n_rows  # tokens kept per row
@@ -484,7 +490,9 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, ste
     columns = torch.arange(length, device=device)
     bar = tqdm(total=max_new_tokens, desc=progress, unit="tok", leave=False, disable=not progress)
     for j in range(max_new_tokens):
-        tokens = sample_next(logits, temperature, top_p, None if uniforms is None else uniforms[batch, j])
+        rows = len(batch)
+        tokens = sample_next(logits[:rows], temperature, top_p, None if uniforms is None else uniforms[batch, j],
+                             scratch[:rows])
         out[batch, j] = tokens
         bar.update()
         bar.set_postfix(rows=len(batch), refresh=False)
@@ -508,8 +516,8 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, ste
         # compiled: attend over the whole cache so every step has the same shapes (no recompiles)
         seen = columns if compile else columns[:col + 1]
         mask = ((seen >= first[:, None]) & (seen <= col))[:, None, None, :]
-        logits = step(w, tokens[:, None], (col - first)[:, None], columns[col:col + 1], k_cache[:, :rows],
-                      v_cache[:, :rows], mask, cos, sin)
+        logits[:rows] = step(w, tokens[:, None], (col - first)[:, None], columns[col:col + 1], k_cache[:, :rows],
+                             v_cache[:, :rows], mask, cos, sin)
     bar.close()
     out = out.tolist()
     return [(out[row][:ends[row]], reasons[row]) for row in range(n_rows)]
