@@ -26,6 +26,8 @@ Design of "kv":
     values are copied into the other n - 1 rows that sample from it (transformers runs n prefills).
   - Finished rows leave the batch: when an eighth of the batch has produced its end-of-sequence token, the
     live rows are copied to the front of the cache and the batch shrinks, so they stop costing compute.
+  - The step's float32 logits and their probabilities live in two (rows, vocab) buffers allocated with the
+    cache: fresh 152k-wide tensors every step cost more in page faults than the arithmetic on them.
   - Waves: the cache size (2 * layers * rows * kv heads * max length * head dim * bytes per element) is
     computed before allocating; rows are split into waves that fit `memory_budget` instead of failing.
   - Sampling: temperature, then exact top-p. transformers sorts all 152k logits every step; here tokens
