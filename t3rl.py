@@ -34,11 +34,12 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
+from answers import answer_key, extract_answer, is_equiv, same_answer
 from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from model import ModelLoadError, load_model
 from sampler import generate
 from sandbox import SandboxPool
-from verifier import answer_key, extract_answer, is_equiv, model_verifier, same_answer, verify_batch
+from verifier import model_verifier, verify_batch
 from voting import group_metrics, rewards, weighted_vote
 
 ROOT = Path(__file__).resolve().parent

@@ -37,18 +37,14 @@ from grpo import (
 )
 from sampler import cache_bytes_per_row, generate, nucleus, sample_next
 from sandbox import SandboxPool, run_snippet
+from answers import EQUIV_CASES, answer_key, extract_answer, is_equiv, same_answer
 from verifier import (
-    EQUIV_CASES,
     MAX_ROLLOUT_CHARS,
     VERIFIER_SYSTEM,
     ToolRun,
-    answer_key,
-    extract_answer,
     extract_code,
     hardcoded,
-    is_equiv,
     model_verifier,
-    same_answer,
     verifier_prompt,
     verify_batch,
 )

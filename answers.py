@@ -1,0 +1,595 @@
+r"""Answer checking: which final answer a rollout gives, and whether two answers are the same.
+
+Every reward in test-time RL comes from comparing answers, so the comparison must be
+exact in both directions: a false "equal" rewards a wrong rollout, a false "not equal" splits one answer
+into two vote classes and punishes a right one.
+
+Three layers, cheapest first:
+
+1. extract_answer(text): the content of the last \boxed{...} / \fbox{...}, else a trailing
+   "the answer is X".
+2. answer_key(ans): a canonical spelling, computed with string rules only. Presentation is removed
+   (\left, \dfrac, $, \text units, degree signs, thousands separators, "x =", choice letters with text),
+   plain numbers become exact reduced fractions (0.5, \frac12, 0.\overline{3}, 142.0, 025), inequalities
+   become intervals, column vectors become tuples, lists of roots become sorted sets (\pm expanded).
+   Equal keys mean equal answers; two plain numbers with different keys are different answers.
+3. is_equiv(pred, gold): equal keys, else a symbolic comparison of the two keys with math-verify
+   (sympy). Decimals reach sympy as exact fractions, so a rounded decimal never equals an exact value.
+   Sympy can hang (or spend minutes in C code) on adversarial input, and a thread cannot be stopped, so
+   the symbolic step runs in a helper process: it interrupts itself with SIGALRM, and if it does not
+   answer within the hard limit it is killed and restarted. That works from any thread and in forked
+   children. A timed-out comparison counts as "not equal". Results are cached.
+
+same_answer(a, b) is the class test for voting: weighted_vote(answers, verified, omega,
+key=answer_key, same=is_equiv) buckets by key and merges the buckets that only sympy can tell are equal.
+
+`python answers.py --bench-equiv` measures is_equiv on the labelled set data/equiv_cases.jsonl
+against bare math-verify and plain string matching.
+"""
+
+import functools
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+from fractions import Fraction
+
+EQUIV_TIME_LIMIT_S = 2.0
+EQUIV_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "equiv_cases.jsonl")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Extracting the final answer
+
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*(\{)?")
+_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
+
+
+def _braced(text, start):
+    """The content of the brace group opening at text[start] == '{', or None if it never closes."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "{":
+            depth += 1
+        elif text[i] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[start + 1:i]
+    return None
+
+
+def extract_answer(text):
+    r"""The final answer in a model's output: the last \boxed{...} (or \fbox, or "\boxed 5"),
+    else a trailing "the answer is X". None when there is none."""
+    if text is None:
+        return None
+    for m in reversed(list(_BOX.finditer(text))):
+        if m.group(1):
+            content = _braced(text, m.start(1))
+        else:
+            token = re.match(r"[^\s$]+", text[m.end():])
+            content = token.group(0) if token else None
+        if content is not None and content.strip():
+            return content.strip()
+    sentences = _ANSWER_IS.findall(text)
+    if not sentences:
+        return None
+    answer = sentences[-1].split("\n")[0].strip()
+    answer = re.sub(r"\.?\s*$", "", answer).strip()  # the full stop ending the sentence
+    answer = answer.strip("$").strip()
+    answer = re.sub(r"^\\\(|\\\)$", "", answer).strip()
+    return answer or None
+
+
+# ----------------------------------------------------------------------------------------------------
+# Canonical keys (string rules only)
+
+_UNICODE = {"\u2212": "-", "\u221e": r"\infty", "\u2264": r"\le ", "\u2265": r"\ge ", "\u00b0": r"^\circ",
+            "\u00d7": r"\times ", "\u00b7": r"\cdot ", "\u03c0": r"\pi ", "\u00b1": r"\pm ", "\u222a": r"\cup ",
+            "\u2009": r"\,", "\u202f": r"\,", "\u00a0": " "}
+_SPACING = re.compile(r"(?<!\\)\\[,;:! ]|\\q?quad\b|~")
+_UNITS = (r"(?:square\s+|sq\.?\s+|cubic\s+)?(?:units?|cm|mm|km|m|meters?|metres?|inch(?:es)?|in|feet|foot|ft|"
+          r"yards?|miles?|mph|seconds?|minutes?|hours?|days?|years?|cents?|dollars?|degrees?|pounds?|"
+          r"grams?|kg|liters?|people|students|ways|sq)")
+_TRAILING_UNIT = re.compile(r"(?<=[\d}).])\s*(?:\\text\{\s*" + _UNITS + r"\s*\}|\\text\{\s*[a-zA-Z ]+\}|\s"
+                            + _UNITS + r"\b)\s*(?:\^\{?[23]\}?)?\s*$")
+_CHOICE = re.compile(r"^(?:\\text\{\s*)?\(([A-E])\)")
+_NUMBER = re.compile(r"^([-+]?)(\d*)(?:\.(\d*))?(?:\\overline\{(\d+)\}|\\overline(\d))?$")
+_FRAC = re.compile(r"^([-+]?)(\d*)\\frac\{([-+]?\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}$")
+_SLASH = re.compile(r"^([-+]?)(\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)$")
+_SCIENTIFIC = re.compile(r"^([-+]?\d*\.?\d+)(?:\\times|\\cdot)10\^\{?([-+]?\d+)\}?$|^([-+]?\d*\.?\d+)e([-+]?\d+)$")
+_RELATION = {r"\leq": "<=", r"\leqslant": "<=", r"\le": "<=", r"\geq": ">=", r"\geqslant": ">=", r"\ge": ">=",
+             r"\lt": "<", r"\gt": ">", "=<": "<=", "=>": ">="}
+_INFINITY = re.compile(r"\\infty|\\inf\b|\binf(?:inity)?\b|\boo\b")
+
+
+def _split_top(s, sep):
+    """Split s at `sep` where it is not inside (), [], {}."""
+    parts, depth, start, i = [], 0, 0, 0
+    while i < len(s):
+        c = s[i]
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif depth == 0 and s.startswith(sep, i):
+            parts.append(s[start:i])
+            start = i + len(sep)
+            i = start
+            continue
+        i += 1
+    parts.append(s[start:])
+    return parts
+
+
+def _unwrap(s):
+    r"""Remove what surrounds an answer: $...$, \(...\), \boxed{}, \displaystyle, a final full stop."""
+    while True:
+        before = s
+        s = re.sub(r"(?<!\d)\.$", "", s.strip()).strip()
+        s = re.sub(r"^\$+|\$+$", "", s).strip()
+        s = re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", s).strip()
+        m = re.match(r"^\\(?:boxed|fbox)\s*\{", s)
+        if m and _braced(s, m.end() - 1) == s[m.end():-1]:
+            s = s[m.end():-1]
+        s = s.replace(r"\displaystyle", "")
+        if s == before:
+            return s
+
+
+def _as_fraction(sign, whole, num, den):
+    if Fraction(den) == 0:
+        return None
+    value = Fraction(num) / Fraction(den)
+    if whole:
+        value += int(whole)
+    return -value if sign == "-" else value
+
+
+def _number(s):
+    r"""The exact value of a plain number spelling (25, 025, 142.0, .5, 0.\overline{3}, \frac{3}{4}, 3/4,
+    1\frac{4}{5}, 6.72\times10^{-5}), or None."""
+    if len(s) > 1000:  # int() refuses more than 4300 digits; such a spelling is no plain answer anyway
+        return None
+    m = _NUMBER.match(s)
+    if m and (m.group(2) or m.group(3) or m.group(4) or m.group(5)):
+        sign, whole, decimals, repeat = m.group(1), m.group(2) or "0", m.group(3) or "", m.group(4) or m.group(5)
+        value = Fraction(int(whole + decimals), 10 ** len(decimals))
+        if repeat:
+            value += Fraction(int(repeat), (10 ** len(repeat) - 1) * 10 ** len(decimals))
+        return -value if sign == "-" else value
+    m = _FRAC.match(s)
+    if m:
+        return _as_fraction(*m.groups())
+    m = _SLASH.match(s)
+    if m:
+        return _as_fraction(m.group(1), "", m.group(2), m.group(3))
+    m = _SCIENTIFIC.match(s)
+    if m:
+        mantissa, exponent = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+        if abs(int(exponent)) <= 1000:  # 1e999999999 would take minutes to write out exactly
+            return Fraction(mantissa) * Fraction(10) ** int(exponent)
+    return None
+
+
+def _fraction_str(value):
+    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+
+
+def _exact_decimals(s):
+    r"""Write decimals inside an expression as exact fractions, so that sympy never rounds."""
+    def exact(m):
+        value = Fraction(m.group(0))
+        return str(value.numerator) if value.denominator == 1 else rf"\frac{{{value.numerator}}}{{{value.denominator}}}"
+    return re.sub(r"(?<![\d.])\d*\.\d+(?![\d.])", exact, s)
+
+
+def _clean(s):
+    r"""Presentation-free spelling of one answer (no outer structure handled here)."""
+    for old, new in _UNICODE.items():
+        s = s.replace(old, new)
+    s = _unwrap(s)
+    s = re.sub(r"\\(?:left|right)\s*[.]", "", s)
+    s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])", "", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\\(?:textbf|textrm|textit|mathrm|mathbf|mbox|operatorname|textnormal)\s*\{", r"\\text{", s)
+    s = re.sub(r"\{[bB]matrix\}", "{pmatrix}", s)
+    # thousands separators: "10,\!080", "10\,080", "10{,}080", thin spaces
+    s = re.sub(r"(?<=\d)(?:,\s*\\!|\{,\}|\\,|\\!|\\ |\\;)\s*(?=\d{3}(?!\d))", "", s)
+    s = re.sub(r"\^\s*\{?\\circ\}?|\\circ|\\degree|\\text\{\s*degrees?\s*\}", "", s)
+    s = re.sub(r"\s*(?:\\?%|\\text\{\s*percent\s*\}|percent)$", "%", s)
+    s = re.sub(r"\\\$|\$", "", s)
+    s = re.sub(r"^\\text\{\s*\}", "", s)
+    while True:
+        stripped = _TRAILING_UNIT.sub("", s)
+        if stripped == s:
+            break
+        s = stripped
+    s = _SPACING.sub(" ", s)
+    return s.strip()
+
+
+def _plain_thousands(s):
+    """'1,000' and '58,500' are numbers; '1, 000' and '1,-2' are lists."""
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        return s.replace(",", "")
+    return s
+
+
+def _canonical_atom(s):
+    r"""Key of one value: a number as an exact fraction, else a tidy expression."""
+    s = "".join(s.split())
+    s = re.sub(r"^(\d+)_\{(\d+)\}$", r"\1_\2", s)
+    s = re.sub(r"\\frac([^{\\])([^{\\])", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\frac\{([^{}]*)\}([^{\\])", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\frac([^{\\])\{", r"\\frac{\1}{", s)
+    value = _number(s)
+    if value is not None:
+        return _fraction_str(value)
+    if s.endswith("%") and _number(s[:-1]) is not None:
+        return _fraction_str(_number(s[:-1])) + "%"
+    s = re.sub(r"\\sqrt([^{\\\[])", r"\\sqrt{\1}", s)
+    s = re.sub(r"\^\{(\w)\}", r"^\1", s)
+    s = re.sub(r"_\{(\w)\}", r"_\1", s)
+    s = _INFINITY.sub(r"\\infty", s)
+    s = s.replace(r"+\infty", r"\infty")
+    s = re.sub(r"\\cdot|\\times", "*", s)
+    s = _exact_decimals(s)
+    m = re.fullmatch(r"\\text\{([^{}]*)\}", s)
+    if m:
+        s = m.group(1)
+    if re.fullmatch(r"[A-E]", s):
+        return s
+    if re.fullmatch(r"[A-Za-z]{3,}", s):
+        return s.lower()
+    return s
+
+
+def _relations(s):
+    """Rewrite \\le, \\geq, ... as <=, >=, ..."""
+    for old, new in sorted(_RELATION.items(), key=lambda kv: -len(kv[0])):
+        s = re.sub(re.escape(old) + r"(?![a-zA-Z])", new, s)
+    return s
+
+
+def _inequality_interval(s):
+    """'x > 2' -> '(2,\\infty)', '-2 <= x <= 7' -> '[-2,7]', or None when s is no such inequality."""
+    rel = r"(<=|>=|<|>)"
+    chain = re.fullmatch(r"(.+?)" + rel + r"([a-zA-Z])" + rel + r"(.+)", s)
+    if chain:
+        lo, r1, _, r2, hi = chain.groups()
+        if r1[0] != r2[0] or re.search(r"[<>=]", lo + hi):
+            return None
+        if r1[0] == ">":
+            lo, hi, r1, r2 = hi, lo, r2.replace(">", "<"), r1.replace(">", "<")
+        return ("[" if r1 == "<=" else "(") + f"{lo},{hi}" + ("]" if r2 == "<=" else ")")
+    one = re.fullmatch(r"([a-zA-Z])" + rel + r"(.+)|(.+?)" + rel + r"([a-zA-Z])", s)
+    if not one or re.search(r"[<>=]", (one.group(3) or "") + (one.group(4) or "")):
+        return None
+    if one.group(1):
+        r, bound = one.group(2), one.group(3)
+    else:
+        bound, r = one.group(4), {"<": ">", ">": "<", "<=": ">=", ">=": "<="}[one.group(5)]
+    if r[0] == "<":
+        return r"(-\infty," + bound + ("]" if r == "<=" else ")")
+    return ("[" if r == ">=" else "(") + bound + r",\infty)"
+
+
+def _structure(s):
+    """Key of a cleaned answer with its outer structure: matrix, tuple, interval, union, set, list."""
+    s = "".join(s.split())
+    s = re.sub(r"^[a-zA-Z]\\in(?=.)", "", s)  # 'x \in [-2,7]'
+    m = re.fullmatch(r"(.*?)\\begin\{pmatrix\}(.*)\\end\{pmatrix\}", s)
+    factor = _number(_canonical_atom(m.group(1))) if m and m.group(1) else 1
+    if m and factor is not None:
+        rows = [[_canonical_atom(c) for c in row.split("&")] for row in m.group(2).split(r"\\") if row]
+        if factor != 1:  # 1/49 (16, 48, 24): multiply out a number factored from plain-number entries
+            values = [[_number(c) for c in row] for row in rows]
+            if any(v is None for row in values for v in row):
+                return s
+            rows = [[_fraction_str(factor * v) for v in row] for row in values]
+        if len(rows) == 1 or all(len(r) == 1 for r in rows):
+            return "(" + ",".join(c for r in rows for c in r) + ")"
+        return r"\begin{pmatrix}" + r"\\".join("&".join(r) for r in rows) + r"\end{pmatrix}"
+    m = re.fullmatch(r"\\langle(.*)\\rangle", s)
+    if m:
+        return "(" + ",".join(_canonical_atom(c) for c in _split_top(m.group(1), ",")) + ")"
+    pieces = [p for part in _split_top(s, r"\cup") for p in _split_top(part, r"\text{or}")]
+    pieces = [p for part in pieces for p in _split_top(part, r"\lor")]
+    if len(pieces) > 1 or re.search(r"[<>]", s):
+        intervals = [_interval_or_none(_relations(p)) for p in pieces]
+        if all(intervals):
+            return r"\cup".join(sorted(intervals))
+    interval = _interval_or_none(s)
+    if interval:
+        return interval
+    m = re.fullmatch(r"\\\{(.*)\\\}", s)
+    items = _split_top(m.group(1) if m else _plain_thousands(s), ",")
+    if len(items) == 1 and not m and r"\pm" not in s:
+        return _assignment_value(_canonical_atom(items[0]))
+    variables = {re.match(r"([a-zA-Z])=", i).group(1) if re.match(r"[a-zA-Z]=[^=]+$", i) else None for i in items}
+    if len(variables) == 1 and None not in variables:
+        items = [i[2:] for i in items]
+    expanded = []
+    for item in items:
+        if item.count(r"\pm") == 1:
+            expanded += [item.replace(r"\pm", "+"), item.replace(r"\pm", "-")]
+        else:
+            expanded.append(item)
+    return r"\{" + ",".join(sorted(_canonical_atom(i) for i in expanded)) + r"\}"
+
+
+def _assignment_value(s):
+    """'x=5' -> '5'; 'y=2x+3' -> '2x+3'; equations with more on the left stay."""
+    m = re.fullmatch(r"[a-zA-Z]=([^=]+)", s)
+    return _canonical_atom(m.group(1)) if m else s
+
+
+def _interval_or_none(s):
+    r"""Key of '(a,b]' style intervals/tuples and of one-variable inequalities, else None."""
+    inequality = _inequality_interval(s) if re.search(r"[<>]", s) else None
+    if inequality:
+        s = inequality
+    m = re.fullmatch(r"([(\[])(.*)([)\]])", s)
+    if not m:
+        return None
+    inner = _split_top(m.group(2), ",")
+    if len(inner) < 2:
+        return None
+    return m.group(1) + ",".join(_canonical_atom(c) for c in inner) + m.group(3)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _key(ans):
+    s = _clean(ans)
+    choice = _CHOICE.match(s)
+    if choice:
+        return choice.group(1)
+    return _structure(_relations(s))
+
+
+def answer_key(ans):
+    r"""Canonical spelling of an answer; equivalent spellings such as 0.5 and \frac12, 1,000 and 1000,
+    (1,2,3) and a column vector, 'x > 2' and (2,\infty) get the same key. None for None."""
+    if ans is None:
+        return None
+    if isinstance(ans, (int, float)) and not isinstance(ans, bool):
+        ans = str(ans)
+    if not isinstance(ans, str):
+        raise TypeError(f"answer must be a string (or None), got {type(ans).__name__}: {ans!r}")
+    return _key(ans)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Symbolic equivalence in a helper process (sympy can hang; a process can be killed, a thread cannot)
+
+def _symbolic_equal(pred_key, gold_key):
+    from math_verify import parse, verify
+    gold = parse(f"${gold_key}$", parsing_timeout=None)
+    pred = parse(f"${pred_key}$", parsing_timeout=None)
+    return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
+
+
+def _serve_symbolic():
+    """Body of the helper process: answer each '[pred_key, gold_key, seconds]' line with true/false."""
+    import logging
+    import signal
+    import math_verify  # noqa: F401  (import before 'ready' so that the first comparison is not slow)
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # a stray print from a library must not corrupt the replies
+
+    class Overrun(BaseException):
+        """Not an Exception, so that math-verify's own `except Exception` cannot swallow it."""
+
+    def interrupt(signum, frame):
+        raise Overrun
+
+    signal.signal(signal.SIGALRM, interrupt)
+    replies.write("ready\n")
+    replies.flush()
+    for line in sys.stdin:
+        pred_key, gold_key, seconds = json.loads(line)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+            try:
+                equal = _symbolic_equal(pred_key, gold_key)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except (Overrun, Exception):  # out of time, or sympy choked on strange input: not shown equal
+            equal = False
+        replies.write(json.dumps(equal) + "\n")
+        replies.flush()
+
+
+class _SymbolicWorker:
+    """One helper process per Python process, started on first use, killed when it overruns."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.process = None
+
+    def _start(self):
+        here = os.path.dirname(os.path.abspath(__file__))
+        module = os.path.splitext(os.path.basename(__file__))[0]
+        code = f"import sys; sys.path.insert(0, {here!r}); import {module}; {module}._serve_symbolic()"
+        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, bufsize=0)
+        if self._reply(timeout=120) != b"ready":
+            self._stop()
+            raise RuntimeError("the sympy helper process of verifier.py did not start; "
+                               "check that math-verify is installed (pip install math-verify)")
+
+    def _stop(self):
+        self.process.kill()
+        self.process.wait()
+        self.process = None
+
+    def _reply(self, timeout):
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
+        return self.process.stdout.readline().strip() if ready else None
+
+    def equal(self, pred_key, gold_key, limit):
+        with self.lock:
+            if self.process is None or self.process.poll() is not None:
+                self._start()
+            request = json.dumps([pred_key, gold_key, 0.75 * limit]) + "\n"
+            try:
+                self.process.stdin.write(request.encode())
+            except BrokenPipeError:  # it died since the check above: once more with a fresh one
+                self._stop()
+                self._start()
+                self.process.stdin.write(request.encode())
+            reply = self._reply(limit)
+            if reply is None or not reply:  # overran its limit (stuck in C code) or died
+                self._stop()
+                return False
+            return reply == b"true"
+
+    def forget_after_fork(self):
+        """In a forked child the parent's helper is not ours: start a fresh one when needed."""
+        self.lock = threading.Lock()
+        self.process = None
+
+
+_worker = _SymbolicWorker()
+os.register_at_fork(after_in_child=_worker.forget_after_fork)
+
+
+_NUMBER_KEY = re.compile(r"-?\d+(?:/\d+)?")
+_PLAIN = re.compile(r"-?\d+(?:/\d+)?%?|[A-E]|[a-z]{3,}")
+_EQUATION = re.compile(r"(?<![<>!])=")
+_IN_BASE = re.compile(r"(\d+)_(\d+)")
+
+
+def _decided_by_strings(key_a, key_b):
+    """True/False when the keys alone decide, None when sympy has to.
+
+    Two different plain numbers, choice letters or words differ; an equation (what is left after
+    answer_key took 'x =' off) differs from a value. 9% equals 9 (the question asked "what
+    percent?") and 0.09. A number in a base (52_8) equals the same digits written without the base (the
+    question names the base), but not the digits in another base."""
+    if key_a == key_b:
+        return True
+    percents = [k for k in (key_a, key_b) if k.endswith("%") and _NUMBER_KEY.fullmatch(k[:-1])]
+    if len(percents) == 1:
+        other = key_b if percents[0] == key_a else key_a
+        value = Fraction(percents[0][:-1])
+        return _NUMBER_KEY.fullmatch(other) is not None and Fraction(other) in (value, value / 100)
+    if _PLAIN.fullmatch(key_a) and _PLAIN.fullmatch(key_b):
+        return False
+    if (_EQUATION.search(key_a) is None) != (_EQUATION.search(key_b) is None):
+        return False  # 'x+1=5' is no value; math-verify would compare its right side, 5
+    based_a, based_b = _IN_BASE.fullmatch(key_a), _IN_BASE.fullmatch(key_b)
+    if based_a and based_b:
+        return False
+    if based_a or based_b:
+        return (based_a.group(1) if based_a else key_a) == (based_b.group(1) if based_b else key_b)
+    return None
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _keys_equiv(pred_key, gold_key, limit):
+    decided = _decided_by_strings(pred_key, gold_key)
+    if decided is not None:
+        return decided
+    return _worker.equal(pred_key, gold_key, limit)
+
+
+def is_equiv(pred, gold, timeout=EQUIV_TIME_LIMIT_S):
+    r"""True when the answer `pred` is mathematically the same as `gold`. None is never equal.
+
+    At most `timeout` seconds per call (plus ~2 s once, to start the helper process); a comparison
+    that runs out of time counts as not equal, and that result is cached like any other."""
+    if pred is None or gold is None:
+        return False
+    if not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return _keys_equiv(answer_key(pred), answer_key(gold), float(timeout))
+
+
+def same_answer(a, b):
+    """is_equiv made symmetric, for voting: weighted_vote(..., key=answer_key, same=same_answer).
+    The pair is ordered by key, so vote classes do not depend on the order of the rollouts."""
+    if a is None or b is None:
+        return False
+    key_a, key_b = sorted((answer_key(a), answer_key(b)))
+    return _keys_equiv(key_a, key_b, EQUIV_TIME_LIMIT_S)
+
+
+
+# ----------------------------------------------------------------------------------------------------
+# Benchmark: python answers.py --bench-equiv
+
+def _string_match(pred, gold):
+    return pred.strip() == gold.strip()
+
+
+def _bare_math_verify(pred, gold):
+    from math_verify import parse, verify
+    return verify(parse(rf"\boxed{{{gold}}}"), parse(rf"\boxed{{{pred}}}"))
+
+
+def _is_equiv_uncached(pred, gold):
+    _key.cache_clear()
+    _keys_equiv.cache_clear()
+    return is_equiv(pred, gold)
+
+
+def bench_equiv(path=EQUIV_CASES):
+    """Accuracy, false positives/negatives and median ms per call of three answer checkers, side by side."""
+    import logging
+    import statistics
+    import time
+    from tqdm import tqdm
+    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
+    with open(path) as f:
+        cases = [json.loads(line) for line in f]
+    is_equiv("1", "2")  # start the helper process outside the timings
+    checkers = {"string match": _string_match, "math-verify": _bare_math_verify, "is_equiv": _is_equiv_uncached}
+    rows, errors = [], {}
+    for name, check in checkers.items():
+        times, false_pos, false_neg = [], [], []
+        for case in tqdm(cases, desc=name, leave=False):
+            start = time.perf_counter()
+            said = bool(check(case["pred"], case["gold"]))
+            times.append(1000 * (time.perf_counter() - start))
+            if said and not case["equal"]:
+                false_pos.append(case)
+            elif case["equal"] and not said:
+                false_neg.append(case)
+        right = len(cases) - len(false_pos) - len(false_neg)
+        rows.append((name, 100 * right / len(cases), len(false_pos), len(false_neg),
+                     statistics.median(times), max(times)))
+        errors[name] = false_pos + false_neg
+        if name == "is_equiv":
+            symbolic_ms = [t for t, c in zip(times, cases)
+                           if _decided_by_strings(answer_key(c["pred"]), answer_key(c["gold"])) is None]
+    equal = sum(c["equal"] for c in cases)
+    print(f"{len(cases)} labelled cases ({equal} equal, {len(cases) - equal} not equal) from {path}")
+    print(f"{'checker':<14}{'accuracy':>10}{'false +':>9}{'false -':>9}{'median ms':>11}{'max ms':>9}")
+    for name, accuracy, false_pos, false_neg, median_ms, max_ms in rows:
+        print(f"{name:<14}{accuracy:>9.1f}%{false_pos:>9}{false_neg:>9}{median_ms:>11.2f}{max_ms:>9.1f}")
+    print(f"is_equiv sent {len(symbolic_ms)} of {len(cases)} cases to sympy: median {statistics.median(symbolic_ms):.2f} ms, "
+          f"max {max(symbolic_ms):.1f} ms; the rest were decided by answer_key alone")
+    for name in ("math-verify", "is_equiv"):
+        by_category = {}
+        for case in errors[name]:
+            by_category.setdefault(case["category"], []).append(case)
+        print(f"\n{name} errors by category: " + (", ".join(f"{c} {len(v)}" for c, v in sorted(by_category.items())) or "none"))
+        for case in errors[name]:
+            print(f"  {'FP' if not case['equal'] else 'FN'} [{case['category']}] pred={case['pred']!r} gold={case['gold']!r}")
+
+
+if __name__ == "__main__":
+    import argparse
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bench-equiv", action="store_true", help="measure is_equiv on data/equiv_cases.jsonl")
+    args = parser.parse_args()
+    if args.bench_equiv:
+        bench_equiv()
+    else:
+        parser.print_help()
