@@ -3,12 +3,12 @@
 The verifier LLM writes small Python programs that recompute an answer; with 64 rollouts per question that
 is tens of thousands of untrusted programs per run. Starting `python -c` and importing sympy costs ~0.5-1 s
 per program; here each program costs a fork of a warm process that already imported math, fractions,
-numpy and sympy (and ran a solve once), so it pays neither interpreter start-up nor imports.
+numpy, sympy and z3 (and ran a solve once), so it pays neither interpreter start-up nor imports.
 
 Process tree (one per pool):
 
     caller (may have imported torch, may have threads)
-      `- helper: a fresh `sys.executable sandbox.py --serve`, empty environment; imports numpy/sympy once
+      `- helper: a fresh `sys.executable sandbox.py --serve`, empty environment; imports numpy/sympy/z3 once
            `- launcher (one per worker): joins a pids cgroup, unshares user?/mount/pid/network namespaces
                 `- worker: pid 1 of its pid namespace; builds the read-only file system view once, then loops:
                      hand code to the waiting snippet process -> collect output -> kill all in the namespace
@@ -668,6 +668,8 @@ def _warm_up():
     sympy.simplify(sympy.sqrt(8) + sympy.Rational(1, 3))
     numpy.linalg.solve(numpy.eye(2), numpy.ones(2))
     numpy.random.seed()  # the first seeding loads its entropy machinery (~20 ms); snippets reseed
+    import z3  # the Knights-and-Knaves tool (verifier.smt_tool): loading libz3 costs ~0.3 s, a first solve more
+    z3.Solver().check(z3.parse_smt2_string("(declare-const p Bool)(declare-const q Bool)(assert (= p (not q)))"))
     os.environ.clear()
     import gc
     gc.collect()
@@ -968,6 +970,7 @@ SYMPY_SOLVE = "from sympy import symbols, solve\nx = symbols('x')\nprint(solve(x
 SELFTEST = [  # (name, code, timeout, check on Result)
     ("sympy", SYMPY_SOLVE, 5, lambda r: r.ok and r.stdout == "[2, 3]\n"),
     ("numpy", "import numpy as np\nprint(int(np.arange(10).sum()))", 5, lambda r: r.ok and r.stdout == "45\n"),
+    ("z3", "import z3\nx = z3.Bool('x')\ns = z3.Solver()\ns.add(x)\nprint(s.check())", 5, lambda r: r.ok and r.stdout == "sat\n"),
     ("fractions", "from fractions import Fraction\nprint(Fraction(1, 3) + Fraction(1, 6))", 5,
      lambda r: r.stdout == "1/2\n"),
     ("syntax error", "print(", 5, lambda r: r.status == "error" and "SyntaxError" in r.stderr),

@@ -14,6 +14,7 @@ Test-time RL trains a model on unlabeled test questions. For each question q:
 Run it:
     python t3rl.py                                  # CPU, offline: embedded 0.5B model, demo benchmark
     accelerate launch t3rl.py --bench math500       # the paper's setting on GPUs
+    python t3rl.py --bench knk                      # Knights and Knaves puzzles, the verifier writes SMT-LIB2 for z3
 """
 import argparse
 import hashlib
@@ -34,6 +35,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
+import knk
 from answers import answer_key, extract_answer, is_equiv, same_answer
 from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from model import ModelLoadError, load_model
@@ -43,8 +45,27 @@ from verifier import model_verifier, verify_batch
 from voting import group_metrics, rewards, weighted_vote
 
 ROOT = Path(__file__).resolve().parent
-# answers vote together when their canonical keys match (cheap) or they are mathematically equivalent
-ANSWER_CLASSES = dict(key=answer_key, same=same_answer)
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A benchmark's kind of answer: extract(text, problem) reads a rollout's final answer (None: none), answers
+    vote together when classes' key matches (cheap) or `same` says so, equiv grades against the gold answer,
+    and verify_batch takes the verifier's prompt and tool from the same name."""
+    name: str
+    extract: object
+    classes: dict
+    equiv: object
+
+
+DOMAINS = {"math": Domain("math", lambda text, problem: extract_answer(text), dict(key=answer_key, same=same_answer),
+                          lambda answer, gold: is_equiv(answer, gold)),
+           "knk": Domain("knk", knk.extract_answer, dict(key=knk.answer_key, same=knk.same_answer), knk.is_equiv)}
+
+
+def domain_of(bench: str) -> Domain:
+    """Knights and Knaves for --bench knk, math for every other benchmark."""
+    return DOMAINS["knk" if bench == "knk" else "math"]
 
 # ----------------------------------------------------------------------------------------------------------------
 # Benchmarks
@@ -55,7 +76,7 @@ HUB_BENCHES = {
     "aime2024": ("HuggingFaceH4/aime_2024", "default", "train"),
     "amc": ("AI-MO/aimo-validation-amc", "default", "train"),
 }
-BENCHES = [*HUB_BENCHES, "demo"]
+BENCHES = [*HUB_BENCHES, "demo", "knk"]  # knk: data/knk.jsonl, made by `python knk.py --generate`
 ROWS_API = "https://datasets-server.huggingface.co/rows"
 
 
@@ -325,13 +346,14 @@ def verify_groups(records, groups, answers, verifier, pool, cfg: Config):
     problems = [rec["problem"] for rec, group in zip(records, groups) for _ in group]
     texts = [c.text for group in groups for c in group]
     flat = [a for group in answers for a in group]
-    results = verify_batch(problems, texts, flat, verifier, sandbox=pool, budget=cfg.verify_budget)
+    results = verify_batch(problems, texts, flat, verifier, sandbox=pool, budget=cfg.verify_budget,
+                           domain=domain_of(cfg.bench).name)
     it = iter(results)
     return [[next(it) for _ in group] for group in groups]
 
 
-def is_correct(answer, gold) -> bool:
-    return answer is not None and is_equiv(answer, gold)
+def is_correct(answer, gold, domain: Domain) -> bool:
+    return answer is not None and domain.equiv(answer, gold)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -345,18 +367,20 @@ def evaluate(policy, tokenizer, records, cfg: Config, acc, verifier, pool) -> di
     greedy = sample_groups(unwrapped, tokenizer, shard, cfg, 1, 0.0, -1, "greedy")
     k = cfg.eval_samples
     sampled = sample_groups(unwrapped, tokenizer, shard, cfg, k, cfg.temperature, -1, "eval") if k else []
-    answers = [[extract_answer(c.text) for c in group] for group in sampled]
+    dom = domain_of(cfg.bench)
+    answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, sampled)]
     verdicts = verify_groups(shard, sampled, answers, verifier, pool, cfg) if k and verifier else []
     rows = []
     for i, rec in enumerate(shard):
-        row = {"level": rec.get("level"), "pass@1": float(is_correct(extract_answer(greedy[i][0].text), rec["answer"]))}
+        greedy_answer = dom.extract(greedy[i][0].text, rec["problem"])
+        row = {"level": rec.get("level"), "pass@1": float(is_correct(greedy_answer, rec["answer"], dom))}
         if k:
-            row[f"avg@{k}"] = sum(is_correct(a, rec["answer"]) for a in answers[i]) / k
-            majority, _ = weighted_vote(answers[i], [0] * k, omega=1.0, **ANSWER_CLASSES)
-            row[f"maj@{k}"] = float(is_correct(majority, rec["answer"]))
+            row[f"avg@{k}"] = sum(is_correct(a, rec["answer"], dom) for a in answers[i]) / k
+            majority, _ = weighted_vote(answers[i], [0] * k, omega=1.0, **dom.classes)
+            row[f"maj@{k}"] = float(is_correct(majority, rec["answer"], dom))
             if verdicts:
-                label, _ = weighted_vote(answers[i], [r.v for r in verdicts[i]], omega=cfg.omega, **ANSWER_CLASSES)
-                row[f"verified_maj@{k}"] = float(is_correct(label, rec["answer"]))
+                label, _ = weighted_vote(answers[i], [r.v for r in verdicts[i]], omega=cfg.omega, **dom.classes)
+                row[f"verified_maj@{k}"] = float(is_correct(label, rec["answer"], dom))
         rows.append(row)
     rows = gather_object(rows)
     keys = [key for key in rows[0] if key != "level"]
@@ -530,7 +554,8 @@ def rl_step(step, questions, policy, ref_model, tokenizer, optimizer, scheduler,
     # 1. sample N rollouts per question and extract their answers a_i
     t0 = time.time()
     groups = sample_groups(acc.unwrap_model(policy), tokenizer, shard, cfg, N, cfg.temperature, step, "rollout")
-    answers = [[extract_answer(c.text) for c in group] for group in groups]
+    dom = domain_of(cfg.bench)
+    answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, groups)]
     seconds["sample"] = time.time() - t0
 
     # 2. tool verification: v_i = 1 when the verifier's program, run in the sandbox, reproduces a_i
@@ -542,12 +567,12 @@ def rl_step(step, questions, policy, ref_model, tokenizer, optimizer, scheduler,
     batch_prompts, batch_completions, batch_rewards, per_question, rollout_rows = [], [], [], [], []
     for rec, group, ans, ver in zip(shard, groups, answers, verdicts):
         v = [r.v if r is not None else 0 for r in ver]
-        label, _ = weighted_vote(ans, v, omega=cfg.omega, **ANSWER_CLASSES)
-        r = rewards(ans, label, **ANSWER_CLASSES)
-        stats = group_metrics(ans, v, label, cfg.omega, gold=rec["answer"], **ANSWER_CLASSES)
+        label, _ = weighted_vote(ans, v, omega=cfg.omega, **dom.classes)
+        r = rewards(ans, label, **dom.classes)
+        stats = group_metrics(ans, v, label, cfg.omega, gold=rec["answer"], **dom.classes)
         # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke it
         stats["majority_label_accuracy"] = stats["label_accuracy"] - stats["flip_fixed"] + stats["flip_broke"]
-        correct = [is_correct(a, rec["answer"]) for a in ans]
+        correct = [is_correct(a, rec["answer"], dom) for a in ans]
         stats["verified"] = sum(v)
         stats["verified_correct"] = sum(vi and ci for vi, ci in zip(v, correct))
         stats["statuses"] = [res.status for res in ver if res is not None]
@@ -686,8 +711,8 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
         totals = {"label_accuracy": 0.0, "reward_accuracy": 0.0, "flipped": 0.0, "flip_fixed": 0.0, "flip_broke": 0.0}
         for (_, qid), rows in groups.items():
             answers, v = [r["answer"] for r in rows], [r["v"] for r in rows]
-            label, _ = weighted_vote(answers, v, omega=omega, **ANSWER_CLASSES)
-            stats = group_metrics(answers, v, label, omega, gold=gold[qid], **ANSWER_CLASSES)
+            label, _ = weighted_vote(answers, v, omega=omega, **domain_of(cfg["bench"]).classes)
+            stats = group_metrics(answers, v, label, omega, gold=gold[qid], **domain_of(cfg["bench"]).classes)
             for key in totals:
                 totals[key] += stats[key]
         n = max(len(groups), 1)

@@ -26,8 +26,12 @@ whole training step at once: one call of `verifier` (any callable, list of user 
 completions; model_verifier wraps a model in one batched sampler.generate call) and one call of `tool`
 (python_tool: one sandbox run_many). A rollout's reasoning enters the prompt cut to its last
 MAX_ROLLOUT_CHARS = 4000 characters (the end holds the answer; ~1.2k tokens), so a prompt stays bounded
-by that, the problem and the ~250-token system prompt. The tool is any function (programs, sandbox) -> [ToolRun(status, result, output, seconds)], so
-another one (an SMT solver for logic puzzles, with its own prompt) fits without changing the rest.
+by that, the problem and the ~250-token system prompt. The tool is any function (programs, sandbox) -> [ToolRun(status, result, output, seconds)].
+
+Each domain brings its prompt, tool and agreement test (DOMAINS; verify_batch(..., domain=)): "math" as
+above, "knk" (Knights and Knaves, knk.py) where the verifier writes an SMT-LIB2 script, z3 solves it in the
+sandbox, and v_i = 1 when the solver's assignment is the only one and equals the rollout's; a script whose
+assertions fix someone's role as a bare fact is "hardcoded".
 budget K > 0 verifies only the first K rollouts of each answer class of a problem; the others inherit
 the majority outcome of those K (a tie counts as unverified) and are marked inferred. Costs per rollout:
 verifier tokens (VerifierText.num_tokens) and seconds (the batch's wall time split evenly over the
@@ -36,11 +40,12 @@ rollouts sent), and the program's run time.
 Answer checking (extract_answer, answer_key, is_equiv, same_answer) lives in answers.py.
 
 `python verifier.py --measure` verifies correct
-and wrong answers to 30 MATH-500 problems with the embedded 0.5B model as verifier; `--demo` shows one
-verification step by step.
+and wrong answers to 30 MATH-500 problems (`--bench knk`: 30 puzzles, wrong = one person flipped) with the
+embedded 0.5B model as verifier; `--demo` shows one verification step by step.
 """
 
 import ast
+import inspect
 import json
 import os
 import re
@@ -48,6 +53,7 @@ import time
 from dataclasses import dataclass
 from fractions import Fraction
 
+import knk
 from answers import _fraction_str, answer_key, extract_answer, is_equiv, same_answer
 from sandbox import default_pool
 from voting import answer_classes
@@ -85,21 +91,35 @@ _FENCE_ANY = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 _MACHINE_FLOAT = re.compile(r"[-+]?\d*\.\d{7,}(?:e[-+]?\d+)?|[-+]?\d+(?:\.\d*)?e[-+]?\d+", re.IGNORECASE)
 
 
-def verifier_prompt(problem, rollout):
+class VerifierPrompt(str):
+    """A verifier's user message that also says which system prompt goes with it (its domain's)."""
+    def __new__(cls, text, system):
+        self = super().__new__(cls, text)
+        self.system = system
+        return self
+
+
+def verifier_prompt(problem, rollout, domain="math"):
     """The user message for one rollout; its reasoning is cut to the last MAX_ROLLOUT_CHARS characters."""
     if len(rollout) > MAX_ROLLOUT_CHARS:
         rollout = "[... beginning cut ...]\n" + rollout[-MAX_ROLLOUT_CHARS:]
-    return VERIFIER_USER.format(problem=problem.strip(), rollout=rollout.strip())
+    return VerifierPrompt(DOMAINS[domain].user.format(problem=problem.strip(), rollout=rollout.strip()),
+                          DOMAINS[domain].system)
 
 
-def extract_code(text):
-    """The first ```python block of a verifier completion, else its first fenced block, else None.
-    A block left open (the completion hit its token limit) runs to the end of the text."""
-    for fence in (_FENCE_PYTHON, _FENCE_ANY):
+def _first_block(text, fences):
+    """The first non-empty block of the first fence pattern that has one; a block left open (the completion
+    hit its token limit) runs to the end of the text."""
+    for fence in fences:
         m = fence.search(text)
         if m and m.group(1).strip():
             return m.group(1)
     return None
+
+
+def extract_code(text):
+    """The first ```python block of a verifier completion, else its first fenced block, else None."""
+    return _first_block(text, (_FENCE_PYTHON, _FENCE_ANY))
 
 
 # The hard-coding guard. Small verifiers copy the trace's final answer into print(...) (the paper's
@@ -221,6 +241,149 @@ def tool_agrees(result, answer):
     return False
 
 
+# ----------------------------------------------------------------------------------------------------
+# Knights and Knaves: the verifier writes SMT-LIB2, z3 solves it in the sandbox.
+#
+# SMT-LIB2 rather than z3's Python API: the script is data, not a program. It cannot print an answer;
+# the tool, not the script, calls the solver, reads the model and checks that it is the only one
+# (block it, solve again: unsat). So the one way to "hard-code" is to assert facts, and that is decided
+# on the solver's side: a top-level conjunct that on its own fixes one person's role. knk.py's generator
+# keeps only statements that fix nobody on their own, so an encoding of the statements never does.
+
+KNK_SYSTEM = """You are an expert in logic and a careful user of the Z3 SMT solver. You check a candidate \
+solution to a Knights and Knaves puzzle by encoding the puzzle in SMT-LIB2, so that the solver finds who is \
+a knight and who is a knave.
+
+Rules:
+1. Do NOT assume the candidate's reasoning is correct. Encode the puzzle from its statement; use the \
+reasoning only as a hint for how to read the statements.
+2. Declare one Bool constant per inhabitant, named exactly as in the puzzle, true meaning knight: \
+(declare-const Zoey Bool).
+3. For every statement assert that the speaker is a knight exactly when the statement is true: Zoey says \
+that Oliver is a knave and Ethan is a knight -> (assert (= Zoey (and (not Oliver) Ethan))). "if P then Q" \
+is (=> P Q); "P if and only if Q" is (= P Q); "or" is (or P Q).
+4. Never assert who is a knight or a knave as a fact (no (assert Zoey), no (assert (not Oliver))): the \
+solver must derive it from the statements.
+5. Answer with exactly one code block in the form ```smt2\\nSCRIPT\\n```, ending with (check-sat) and \
+(get-model)."""
+
+KNK_USER = """Puzzle:
+{problem}
+
+Candidate solution (it may be wrong):
+{rollout}
+
+Write the SMT-LIB2 script that encodes the puzzle."""
+
+_FENCE_SMT = re.compile(r"```[ \t]*(?:smt2?|smt-?lib2?|lisp|scheme|z3)\b[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+
+
+def extract_smt(text):
+    """The first ```smt2 (smt, smtlib, lisp, z3) block of a verifier completion, else its first fenced block."""
+    return _first_block(text, (_FENCE_SMT, _FENCE_ANY))
+
+
+def smt_solve(script):
+    """Runs in the sandbox (this function's source is sent there): z3's verdict on an SMT-LIB2 script.
+
+    The script's own commands (check-sat, get-model) are ignored; its assertions are split at top-level
+    `and`s into conjuncts. Returns {"verdict": "asserts facts", "facts": [names]} when a conjunct on its own
+    forces some person's value; else {"verdict": "unsat" | "unknown"}; else the model over every Bool
+    constant (declared or used), with "unique" when blocking it leaves the assertions unsatisfiable, "not unique"
+    otherwise."""
+    import re
+
+    import z3
+    conjuncts, todo = [], list(z3.parse_smt2_string(script))
+    while todo:
+        a = todo.pop(0)
+        if z3.is_and(a):
+            todo[:0] = a.children()
+        else:
+            conjuncts.append(a)
+
+    def people(exprs):  # Bool constants the script declared, by name
+        found, seen, todo = {}, set(), list(exprs)
+        while todo:
+            e = todo.pop()
+            if e.get_id() not in seen:
+                seen.add(e.get_id())
+                if z3.is_const(e) and e.decl().kind() == z3.Z3_OP_UNINTERPRETED and z3.is_bool(e):
+                    found[str(e)] = e
+                todo += e.children()
+        return found
+
+    def satisfiable(*exprs):
+        solver = z3.Solver()
+        solver.add(*exprs)
+        return solver.check() == z3.sat
+
+    facts = sorted({name for c in conjuncts for name, x in people([c]).items()
+                    if satisfiable(c, x) != satisfiable(c, z3.Not(x))})
+    if facts:
+        return {"verdict": "asserts facts", "facts": facts}
+    solver = z3.Solver()
+    solver.add(*conjuncts)
+    verdict = solver.check()
+    if verdict != z3.sat:
+        return {"verdict": str(verdict)}
+    declared = re.findall(r"\(declare-(?:const\s+([^\s()]+)|fun\s+([^\s()]+)\s*\(\s*\))\s+Bool\s*\)", script)
+    everyone = {**{a or b: z3.Bool(a or b) for a, b in declared}, **people(conjuncts)}  # unconstrained ones too
+    model = {name: z3.is_true(solver.model().eval(x, model_completion=True)) for name, x in everyone.items()}
+    solver.add(z3.Or([x != z3.BoolVal(model[name]) for name, x in everyone.items()]))
+    return {"verdict": "unique" if solver.check() == z3.unsat else "not unique", "model": model}
+
+
+def smt_program(script):
+    """The Python program the sandbox runs for one script: smt_solve's source, then one JSON line of verdict."""
+    return f"{inspect.getsource(smt_solve)}\nimport json\nprint(json.dumps(smt_solve({script!r})))\n"
+
+
+def smt_tool(scripts, sandbox=None):
+    """Solve every script in the sandbox (one run_many call). The result t_i is the unique assignment in
+    canonical form; "unsat", "unknown" or "not unique" otherwise (a mismatch); a script that asserts facts
+    is refused ("hardcoded")."""
+    runs = (sandbox or default_pool()).run_many([smt_program(s) for s in scripts]) if scripts else []
+    tool_runs = []
+    for run in runs:
+        output = run.stdout + (("\n" if run.stdout and run.stderr else "") + run.stderr)
+        lines = run.stdout.strip().splitlines()
+        if run.status != "ok" or not lines:
+            tool_runs.append(ToolRun("timeout" if run.status == "timeout" else "error", None, output, run.duration))
+            continue
+        found = json.loads(lines[-1])
+        if found["verdict"] == "asserts facts":
+            status, result = "hardcoded", "asserts " + ", ".join(found["facts"])
+        else:
+            model = found.get("model")
+            status = "ok"
+            result = knk.canonical(list(model), model) if found["verdict"] == "unique" else found["verdict"]
+        tool_runs.append(ToolRun(status, result, output, run.duration))
+    return tool_runs
+
+
+def smt_agrees(result, answer):
+    """The solver's unique assignment gives every person of the rollout's answer the same role (names
+    compared case-insensitively; constants the script added beyond the people do not matter)."""
+    solved = {name.lower(): role for name, role in knk.parse_assignment(result).items()}
+    claimed = knk.parse_assignment(answer)
+    return bool(claimed) and all(solved.get(name.lower()) == role for name, role in claimed.items())
+
+
+# verify_batch takes the prompts, the script's extraction, the tool and its agreement test from the domain
+@dataclass(frozen=True)
+class Domain:
+    system: str        # the verifier's system prompt
+    user: str          # its user message, with {problem} and {rollout}
+    extract: object    # completion -> the script, or None (no_code)
+    tool: object       # (scripts, sandbox) -> one ToolRun per script
+    agrees: object     # (tool result, rollout's answer) -> bool
+
+
+DOMAINS = {"math": Domain(VERIFIER_SYSTEM, VERIFIER_USER, extract_code, python_tool, tool_agrees),
+           "knk": Domain(KNK_SYSTEM, KNK_USER, extract_smt, smt_tool, smt_agrees)}
+
+
 @dataclass
 class Verification:
     """The verdict on one rollout."""
@@ -247,14 +410,15 @@ class VerifierText(str):
 def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p=0.95, seed=None, backend="kv"):
     """A verifier callable: list of user messages -> list of VerifierText, one batched sampler call.
 
-    Each message is put in the model's chat template after VERIFIER_SYSTEM. With a seed, call k of the
+    Each message is put in the model's chat template after its system prompt (VerifierPrompt.system; a plain
+    string gets VERIFIER_SYSTEM). With a seed, call k of the
     callable samples with seed + k, so repeated calls (training steps) differ but a run repeats."""
     from sampler import generate  # torch is needed only once a model verifier is built
     calls = 0
 
     def verify(messages):
         nonlocal calls
-        chats = [tokenizer.apply_chat_template([{"role": "system", "content": VERIFIER_SYSTEM},
+        chats = [tokenizer.apply_chat_template([{"role": "system", "content": getattr(m, "system", VERIFIER_SYSTEM)},
                                                 {"role": "user", "content": m}], tokenize=False,
                                                add_generation_prompt=True) for m in messages]
         groups = generate(model, tokenizer, chats, n=1, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -285,12 +449,13 @@ def _budget_plan(problems, answers, budget):
     return sorted(sent), heirs
 
 
-def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=python_tool, budget=0):
+def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None, budget=0, domain="math"):
     """Tool-verify each rollout: one Verification per rollout, in order.
 
     problems, rollouts, answers: one entry per rollout (answers from extract_answer; None -> no_answer,
     without a verifier call). verifier: callable, list of user messages -> list of completions (see
-    model_verifier). sandbox: passed to the tool (None: a default pool). budget K > 0: per problem and
+    model_verifier). domain: "math" (Python, VERIFIER_SYSTEM) or "knk" (SMT-LIB2, KNK_SYSTEM); see DOMAINS.
+    tool: replaces the domain's tool. sandbox: passed to the tool (None: a default pool). budget K > 0: per problem and
     answer class only the first K rollouts are verified, the rest inherit the majority outcome of those K
     (ties: 0) and are marked inferred=True."""
     if not len(problems) == len(rollouts) == len(answers):
@@ -298,22 +463,25 @@ def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=pytho
                          f"({len(answers)}) need one entry per rollout")
     if not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget={budget!r}: pass K >= 1 rollouts per answer class, or 0 to verify all")
+    if domain not in DOMAINS:
+        raise ValueError(f"verify_batch: domain {domain!r} is unknown; choose one of {', '.join(DOMAINS)}")
+    kind = DOMAINS[domain]
     sent, heirs = _budget_plan(problems, answers, budget)
     start = time.perf_counter()
-    completions = verifier([verifier_prompt(problems[i], rollouts[i]) for i in sent]) if sent else []
+    completions = verifier([verifier_prompt(problems[i], rollouts[i], domain) for i in sent]) if sent else []
     seconds = (time.perf_counter() - start) / max(1, len(sent))
     if len(completions) != len(sent):
         raise ValueError(f"the verifier returned {len(completions)} completions for {len(sent)} prompts")
-    codes = {i: extract_code(text) for i, text in zip(sent, completions)}
+    codes = {i: kind.extract(text) for i, text in zip(sent, completions)}
     with_code = [i for i in sent if codes[i] is not None]
-    runs = dict(zip(with_code, tool([codes[i] for i in with_code], sandbox)))
+    runs = dict(zip(with_code, (tool or kind.tool)([codes[i] for i in with_code], sandbox)))
     results = [None] * len(rollouts)
     for i, text in zip(sent, completions):
         run = runs.get(i)
         if run is None:
             status = "no_code"
         elif run.status == "ok":
-            status = "verified" if tool_agrees(run.result, answers[i]) else "mismatch"
+            status = "verified" if kind.agrees(run.result, answers[i]) else "mismatch"
         else:
             status = {"error": "exec_error", "timeout": "timeout", "hardcoded": "hardcoded"}[run.status]
         results[i] = Verification(int(status == "verified"), status, run and run.result, codes[i], str(text),
@@ -364,21 +532,34 @@ def _embedded_verifier(max_new_tokens, seed):
     return model_verifier(model, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
 
 
-def measure(count, max_new_tokens, seed):
+def knk_puzzles(count, path=knk.KNK_PATH):
+    """The first `count` puzzles of data/knk.jsonl, each with a wrong answer: one person (the k-th, cycling) flipped."""
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()][:count]
+    for k, r in enumerate(rows):
+        world = knk.parse_assignment(r["answer"])
+        flipped = r["names"][k % len(r["names"])]
+        r["wrong"] = knk.canonical(r["names"], {**world, flipped: not world[flipped]})
+    return rows
+
+
+def measure(count, max_new_tokens, seed, bench="math500"):
     """Verify a correct and a wrong short solution per problem; print verified shares and costs."""
-    records = easy_math500(count)
+    records = knk_puzzles(count) if bench == "knk" else easy_math500(count)
     problems, rollouts, answers, kinds = [], [], [], []
     for r in records:
-        for kind, answer in (("correct", r["answer"]), ("wrong", wrong_answer(r["problem"], r["answer"]))):
+        wrong = r["wrong"] if bench == "knk" else wrong_answer(r["problem"], r["answer"])
+        for kind, answer in (("correct", r["answer"]), ("wrong", wrong)):
             problems.append(r["problem"])
             rollouts.append(SOLUTION.format(answer=answer))
             answers.append(answer)
             kinds.append(kind)
     verifier = _embedded_verifier(max_new_tokens, seed)
-    print(f"verifying {len(rollouts)} rollouts ({count} MATH-500 problems of levels 1-3, a correct and a wrong "
-          f"answer each) with the embedded model, one batched call of up to {max_new_tokens} new tokens ...")
+    what = "knk puzzles (wrong: one person flipped)" if bench == "knk" else "MATH-500 problems of levels 1-3"
+    print(f"verifying {len(rollouts)} rollouts ({len(records)} {what}, a correct and a wrong answer each) with the "
+          f"embedded model, one batched call of up to {max_new_tokens} new tokens ...")
     start = time.perf_counter()
-    results = verify_batch(problems, rollouts, answers, verifier)
+    results = verify_batch(problems, rollouts, answers, verifier, domain="knk" if bench == "knk" else "math")
     wall = time.perf_counter() - start
     print(f"\n{'answers':<9}{'rollouts':>9}{'verified':>10}   " + "".join(f"{s:>11}" for s in STATUSES_VERIFY[1:]))
     for kind in ("correct", "wrong"):
@@ -412,11 +593,13 @@ if __name__ == "__main__":
                         help="verify correct and wrong answers to MATH-500 problems with the embedded model")
     parser.add_argument("--demo", action="store_true", help="verify one rollout with the embedded model, step by step")
     parser.add_argument("--problems", type=int, default=30, help="--measure: number of problems (default 30)")
+    parser.add_argument("--bench", choices=["math500", "knk"], default="math500",
+                        help="--measure: MATH-500 (Python programs) or knk puzzles (SMT-LIB2 scripts for z3)")
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="verifier generation limit (default 1024)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the verifier (default 0)")
     args = parser.parse_args()
     if args.measure:
-        measure(args.problems, args.max_new_tokens, args.seed)
+        measure(args.problems, args.max_new_tokens, args.seed, args.bench)
     elif args.demo:
         demo(args.max_new_tokens, args.seed)
     else:

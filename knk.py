@@ -1,0 +1,308 @@
+"""Knights and Knaves: the logic-puzzle domain (the paper's second one), puzzles and their answers.
+
+On an island every inhabitant is a knight (always tells the truth) or a knave (always lies); each one says
+something about the others, and the question is who is what. With one Boolean per inhabitant (True: knight)
+a statement S said by X is the constraint X <-> S, and a puzzle is the conjunction of its speakers'
+constraints. Its answer is the one assignment that satisfies them all.
+
+The generator (seeded, stdlib only) builds puzzles of 2 to 8 inhabitants. A statement is one claim
+("Oliver is a knight", "Oliver is not a knave") or two or three claims about different people joined by
+and / or / if-then / if-and-only-if; a speaker may name herself inside a compound statement but always
+names someone else. A puzzle is drawn around a hidden world (who is a knight): every statement is drawn
+true for knights and false for knaves, then statements are redrawn, one at a time, while enumerating all
+2^n worlds still finds more than one solution; only puzzles with exactly one solution are kept. One more
+rule keeps the solver-side guard honest (verifier.py): no statement may, on its own (X <-> S alone),
+fix anybody's role, so an encoding of the statements never contains a bare fact about one person.
+
+Answers are written canonically, in the order the puzzle introduces people:
+
+    Zoey: knight, Oliver: knave
+
+extract_answer(text, problem) reads what a model writes -- "(1) Zoey is a knight (2) Oliver is a knave",
+\\boxed{Oliver: knave, Zoey: knight}, "Knights: Zoey; Knaves: Oliver", "Zoey and Ethan are knights" --
+into that form; a claim about somebody not in the puzzle, or a person left out, gives no answer (None).
+
+    python knk.py --generate        # writes data/knk.jsonl: 100 puzzles, sizes 2-8, byte for byte the same
+"""
+import argparse
+import itertools
+import json
+import os
+import random
+import re
+
+NAMES = ["Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sophia", "Jack", "Harper",
+         "Owen", "Aria", "Logan", "Chloe", "James", "Lily", "Henry", "Grace", "Samuel", "Scarlett", "David",
+         "Evelyn", "Jacob", "Abigail", "Aiden", "Daniel", "Victoria", "Joseph", "Aurora", "Michael", "Penelope",
+         "Sebastian", "Riley", "Matthew", "Hannah", "William", "Luke", "Amelia"]
+VERBS = ["says", "claims", "tells you", "states", "remarks"]
+INTRO = ("A very special island is inhabited only by knights and knaves. Knights always tell the truth, and "
+         "knaves always lie.")
+QUESTION = "So who is a knight and who is a knave?"
+SMT_OPS = {"if": "=>", "iff": "="}  # SMT-LIB2 spells the others (not, and, or) as we do
+KNK_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "knk.jsonl")
+
+# ----------------------------------------------------------------------------------------------------
+# Statements: ["is", name, "knight"|"knave"], ["not", claim], ["and"|"or", s, s(, s)], ["if"|"iff", s, s]
+
+
+def truth(statement, world):
+    """The truth value of a statement in a world (name -> True for a knight)."""
+    op, *args = statement
+    if op == "is":
+        return world[args[0]] == (args[1] == "knight")
+    values = [truth(arg, world) for arg in args]
+    if op == "not":
+        return not values[0]
+    if op == "and":
+        return all(values)
+    if op == "or":
+        return any(values)
+    if op == "if":
+        return not values[0] or values[1]
+    return values[0] == values[1]  # iff
+
+
+def text(statement):
+    """The statement in English, as the puzzle prints it."""
+    op, *args = statement
+    if op == "is":
+        return f"{args[0]} is a {args[1]}"
+    if op == "not":
+        name, role = args[0][1:]
+        return f"{name} is not a {role}"
+    if op in ("and", "or"):
+        parts = [text(arg) for arg in args]
+        return f" {op} ".join(parts) if len(parts) == 2 else ", ".join(parts[:-1]) + f", {op} {parts[-1]}"
+    if op == "if":
+        return f"if {text(args[0])} then {text(args[1])}"
+    return f"{text(args[0])} if and only if {text(args[1])}"
+
+
+def mentioned(statement):
+    """The names a statement talks about, in order."""
+    if statement[0] == "is":
+        return [statement[1]]
+    return [name for arg in statement[1:] for name in mentioned(arg)]
+
+
+def solutions(names, speakers, statements):
+    """Every world (tuple of bools, in `names` order) where each speaker is a knight exactly when he says the truth."""
+    found = []
+    for values in itertools.product((True, False), repeat=len(names)):
+        world = dict(zip(names, values))
+        if all(world[s] == truth(st, world) for s, st in zip(speakers, statements)):
+            found.append(values)
+    return found
+
+
+def fixes_someone(speaker, statement):
+    """True when speaker <-> statement alone leaves one of its people only one role (an encoding of it would
+    hold a fact about one person, which the solver-side guard refuses)."""
+    people = list(dict.fromkeys([speaker, *mentioned(statement)]))
+    worlds = solutions(people, [speaker], [statement])
+    return any(len({w[i] for w in worlds}) < 2 for i in range(len(people)))
+
+
+def random_statement(rng, speaker, names):
+    """One claim about someone else, or 2-3 claims about different people (the speaker may be one) joined."""
+    op = rng.choice(["is", "is", "and", "or", "if", "iff"])
+    if op == "is":
+        people = [rng.choice([n for n in names if n != speaker])]
+    else:  # distinct people, so at least one of them is not the speaker
+        people = rng.sample(names, 3 if op in ("and", "or") and len(names) >= 3 and rng.random() < 0.3 else 2)
+    claims = []
+    for name in people:
+        claim = ["is", name, rng.choice(["knight", "knave"])]
+        claims.append(["not", claim] if rng.random() < 0.25 else claim)
+    return claims[0] if op == "is" else [op, *claims]
+
+
+def consistent_statement(rng, speaker, names, world):
+    """A random statement that is true when the speaker is a knight in `world`, false when a knave, and that
+    fixes nobody on its own."""
+    while True:
+        statement = random_statement(rng, speaker, names)
+        if truth(statement, world) == world[speaker] and not fixes_someone(speaker, statement):
+            return statement
+
+
+def make_puzzle(rng, n):
+    """A puzzle of n inhabitants with exactly one solution: {names, statements, world}."""
+    names = rng.sample(NAMES, n)
+    world = {name: rng.random() < 0.5 for name in names}
+    statements = [consistent_statement(rng, name, names, world) for name in names]
+    count = len(solutions(names, names, statements))
+    while count > 1:  # the hidden world always solves it; redraw one statement unless that adds solutions
+        i = rng.randrange(n)
+        candidate = statements[:i] + [consistent_statement(rng, names[i], names, world)] + statements[i + 1:]
+        new_count = len(solutions(names, names, candidate))
+        if new_count <= count:
+            statements, count = candidate, new_count
+    return {"names": names, "statements": statements, "world": world}
+
+
+def puzzle_text(names, statements, verbs):
+    people = " and ".join(names) if len(names) == 2 else ", ".join(names[:-1]) + f", and {names[-1]}"
+    said = " ".join(f"{name} {verb} that {text(st)}." for name, verb, st in zip(names, verbs, statements))
+    return f"{INTRO} You meet {len(names)} inhabitants: {people}. {said} {QUESTION}"
+
+
+def generate(count=100, seed=0, sizes=range(2, 9)):
+    """`count` puzzle records {id, problem, answer, level (= number of people), names, statements}; puzzle k
+    has sizes[k % len(sizes)] people."""
+    rng = random.Random(seed)
+    sizes = list(sizes)
+    records = []
+    for k in range(count):
+        puzzle = make_puzzle(rng, sizes[k % len(sizes)])
+        names, statements = puzzle["names"], puzzle["statements"]
+        verbs = [rng.choice(VERBS) for _ in names]
+        records.append({"id": f"knk-{k:03d}", "problem": puzzle_text(names, statements, verbs),
+                        "answer": canonical(names, puzzle["world"]), "level": len(names), "names": names,
+                        "statements": statements})
+    return records
+
+
+def smt_script(names, statements):
+    """The reference SMT-LIB2 encoding of a puzzle: one Bool per person, (= speaker statement) per speaker."""
+    def smt(st):
+        op, *args = st
+        if op == "is":
+            return args[0] if args[1] == "knight" else f"(not {args[0]})"
+        return f"({SMT_OPS.get(op, op)} {' '.join(smt(a) for a in args)})"
+    lines = [f"(declare-const {n} Bool)" for n in names]
+    lines += [f"(assert (= {n} {smt(st)}))" for n, st in zip(names, statements)]
+    return "\n".join(lines + ["(check-sat)", "(get-model)"])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Answers
+
+_PEOPLE = re.compile(r"inhabitants:\s*([^.]*)\.")
+_PAIR = re.compile(r"([A-Za-z][\w'-]*)\s*:\s*(knight|knave)", re.IGNORECASE)
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_MARKER = re.compile(r"conclusion|final answer|the answer is|answer\s*:", re.IGNORECASE)
+_LATEX_TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|emph)\s*\{([^{}]*)\}")
+# a role word; "not" before it flips it; a colon, equals sign, "are" or "is" after it makes it a header
+_ROLE = r"(?P<not>\b(?i:not)\s+(?:an?\s+|the\s+)?)?\b(?P<role>(?i:knight|knave))(?i:s)?\b(?P<header>\s*(?::|=|\bare\b|\bis\b))?"
+_NOT_NAMES = {"It", "He", "She", "This", "That", "Who", "Each", "Everyone", "One", "Nobody", "Somebody", "Someone",
+              "Person", "Inhabitant", "Answer", "Conclusion", "Therefore", "Thus", "So", "Hence", "Then"}
+
+
+def canonical(names, world):
+    """`Zoey: knight, Oliver: knave`, in the order of `names`."""
+    return ", ".join(f"{name}: {'knight' if world[name] else 'knave'}" for name in names)
+
+
+def puzzle_names(problem):
+    """The inhabitants, in the order the puzzle introduces them ("You meet 3 inhabitants: A, B, and C.")."""
+    m = _PEOPLE.search(problem or "")
+    if not m:
+        return []
+    return [n.strip() for n in re.split(r",\s*(?:and\s+)?|\s+and\s+", m.group(1)) if n.strip()]
+
+
+def parse_assignment(answer):
+    """name -> True (knight) / False (knave) from `Name: knight, ...` (the canonical form); {} when none."""
+    return {name: role.lower() == "knight" for name, role in _PAIR.findall(answer or "")}
+
+
+def _braced(text, start):
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1:i]
+    return None
+
+
+def answer_region(text):
+    """Where a rollout states its answer: its \\boxed{...} contents (joined), else what follows its last
+    "conclusion" / "final answer" / "the answer is" / "answer:", else None."""
+    boxes = [_braced(text, m.end() - 1) for m in _BOX.finditer(text)]
+    boxes = [b for b in boxes if b]
+    if boxes:
+        return "\n".join(boxes)
+    markers = list(_MARKER.finditer(text))
+    return text[markers[-1].end():] if markers else None
+
+
+def read_roles(region, names):
+    """name -> bool from an answer region; None when it names somebody unknown. Name-first claims ("Zoey is a
+    knight", "Zoey and Ethan are knights", "Zoey: knight") and headers ("Knights: Zoey, Ethan") are read; a
+    header lasts until the end of its sentence, line or clause; a later claim about a person wins."""
+    region = _LATEX_TEXT.sub(r"\1", region).replace("\\\\", "\n").replace("$", " ")
+    claimed = re.findall(r"\b([A-Z][a-z]+)\s*(?:is\s+(?:not\s+)?(?:an?|the)\s+|[:=-]\s*)(?i:knight|knave)", region)
+    if any(name not in names and name not in _NOT_NAMES for name in claimed):
+        return None
+    token = re.compile("(?P<name>" + "|".join(rf"\b{re.escape(n)}\b" for n in names) + ")|" + _ROLE + r"|(?P<stop>[.;\n])")
+    roles, pending, header, order = {}, [], None, []
+    for m in token.finditer(region):
+        if m.group("name"):
+            if header is None:
+                pending.append(m.group("name"))
+            else:
+                roles[m.group("name")] = header
+        elif m.group("role"):
+            knight = (m.group("role").lower() == "knight") != bool(m.group("not"))
+            order.append(knight)
+            if m.group("header") and not pending:
+                header = knight
+            else:
+                roles.update({name: knight for name in pending})
+                pending, header = [], None
+        else:
+            header = None
+    if not roles and not pending and len(order) == len(names):  # a bare list of roles, in the puzzle's order
+        roles = dict(zip(names, order))
+    return roles
+
+
+def extract_answer(text, problem):
+    """The canonical assignment a rollout gives for the puzzle, or None (no answer region, a person missing,
+    or somebody named who is not in the puzzle)."""
+    names = puzzle_names(problem)
+    region = answer_region(text or "") if names else None
+    roles = read_roles(region, names) if region is not None else None
+    if not roles or any(name not in roles for name in names):
+        return None
+    return canonical(names, roles)
+
+
+def answer_key(answer):
+    """The vote-class key: the assignment with its people in alphabetical order (any spelling order agrees)."""
+    world = parse_assignment(answer)
+    return canonical(sorted(world), world) if world else answer.strip()
+
+
+def same_answer(a, b):
+    """Two answers are the same when they give every person the same role."""
+    return a is not None and b is not None and bool(parse_assignment(a)) and parse_assignment(a) == parse_assignment(b)
+
+
+def is_equiv(pred, gold):
+    return same_answer(pred, gold)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--generate", action="store_true", help="write the puzzle set (default data/knk.jsonl)")
+    parser.add_argument("--count", type=int, default=100, help="number of puzzles (default 100)")
+    parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    parser.add_argument("--out", default=KNK_PATH, help="output file (default data/knk.jsonl)")
+    args = parser.parse_args()
+    if not args.generate:
+        parser.print_help()
+        return
+    if args.count < 1:
+        parser.error(f"--count {args.count}: pass at least 1 puzzle")
+    records = generate(args.count, args.seed)
+    with open(args.out, "w", encoding="utf-8", newline="\n") as fh:
+        fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    print(f"wrote {len(records)} puzzles ({min(r['level'] for r in records)}-{max(r['level'] for r in records)} "
+          f"people) to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
