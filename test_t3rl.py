@@ -1774,6 +1774,12 @@ def test_knk_equal_assignments_vote_together_and_grade_equal():
     assert knk.same_answer(label, GOLD_4)
 
 
+@pytest.fixture(scope="module")
+def knk_pool():
+    with SandboxPool(timeout=5.0) as p:
+        yield p
+
+
 def smt_block(script):
     return f"Encoding each statement:\n```smt2\n{script}\n```"
 
@@ -1799,35 +1805,35 @@ def verify_knk(completions, answers, pool, record=KNK_4):
     return results
 
 
-def test_knk_tool_verifies_a_right_script_and_mismatches_a_wrong_assignment(verify_pool):
+def test_knk_tool_verifies_a_right_script_and_mismatches_a_wrong_assignment(knk_pool):
     right, wrong = KNK_4["answer"], flip_one(KNK_4["answer"], 1)
-    results = verify_knk([smt_block(reference_smt(KNK_4))] * 2, [right, wrong], verify_pool)
-    assert [(r.v, r.status) for r in results] == [(1, "verified"), (0, "mismatch")]
+    results = verify_knk([smt_block(reference_smt(KNK_4))] * 2, [right, wrong], knk_pool)
+    assert [(r.v, r.status) for r in results] == [(1, "verified"), (0, "mismatch")], [r.output for r in results]
     assert knk.same_answer(results[1].result, right)  # the solver found the right one, not the rollout's
 
 
-def test_knk_script_asserting_the_candidate_is_caught(verify_pool):
+def test_knk_script_asserting_the_candidate_is_caught(knk_pool):
     answer = KNK_4["answer"]
     cheat = asserted_smt(answer)
     also_statements = reference_smt(KNK_4) + "\n(assert (not Michael))"  # one fact on top of the encoding
-    results = verify_knk([smt_block(cheat), smt_block(also_statements)], [answer, answer], verify_pool)
+    results = verify_knk([smt_block(cheat), smt_block(also_statements)], [answer, answer], knk_pool)
     assert [(r.v, r.status) for r in results] == [(0, "hardcoded"), (0, "hardcoded")]
     assert results[1].result == "asserts Michael"
 
 
-def test_knk_non_unique_unsat_and_broken_scripts_do_not_verify(verify_pool):
+def test_knk_non_unique_unsat_and_broken_scripts_do_not_verify(knk_pool):
     answer = KNK_4["answer"]
     broken = reference_smt(KNK_4).replace("(assert", "(assert (", 1)
     unsat = reference_smt(KNK_4) + "\n(assert (= Zoey (not Zoey)))"
     completions = [smt_block(reference_smt(KNK_4, drop=0)), smt_block(unsat), smt_block(broken), "no script here"]
-    results = verify_knk(completions, [answer] * 4, verify_pool)
+    results = verify_knk(completions, [answer] * 4, knk_pool)
     assert [r.status for r in results] == ["mismatch", "mismatch", "exec_error", "no_code"]
     assert [r.result for r in results[:2]] == ["not unique", "unsat"] and sum(r.v for r in results) == 0
 
 
-def test_knk_reference_encodings_of_the_set_verify_in_one_sandbox_batch(verify_pool):
+def test_knk_reference_encodings_of_the_set_verify_in_one_sandbox_batch(knk_pool):
     records = [r for size in range(2, 9) for r in [r for r in KNK if r["level"] == size][:3]]
-    runs = verifier.smt_tool([reference_smt(r) for r in records], verify_pool)
+    runs = verifier.smt_tool([reference_smt(r) for r in records], knk_pool)
     assert all(run.status == "ok" and verifier.smt_agrees(run.result, r["answer"]) for run, r in zip(runs, records))
 
 
