@@ -42,7 +42,7 @@ from model import ModelLoadError, load_model
 from sampler import generate
 from sandbox import SandboxPool
 from verifier import model_verifier, verify_batch
-from voting import group_metrics, rewards, weighted_vote
+from voting import group_metrics, weighted_vote
 
 ROOT = Path(__file__).resolve().parent
 
@@ -376,10 +376,10 @@ def evaluate(policy, tokenizer, records, cfg: Config, acc, verifier, pool) -> di
         row = {"level": rec.get("level"), "pass@1": float(is_correct(greedy_answer, rec["answer"], dom))}
         if k:
             row[f"avg@{k}"] = sum(is_correct(a, rec["answer"], dom) for a in answers[i]) / k
-            majority, _ = weighted_vote(answers[i], [0] * k, omega=1.0, **dom.classes)
+            majority = weighted_vote(answers[i], [0] * k, omega=1.0, **dom.classes).label
             row[f"maj@{k}"] = float(is_correct(majority, rec["answer"], dom))
             if verdicts:
-                label, _ = weighted_vote(answers[i], [r.v for r in verdicts[i]], omega=cfg.omega, **dom.classes)
+                label = weighted_vote(answers[i], [r.v for r in verdicts[i]], omega=cfg.omega, **dom.classes).label
                 row[f"verified_maj@{k}"] = float(is_correct(label, rec["answer"], dom))
         rows.append(row)
     rows = gather_object(rows)
@@ -567,9 +567,9 @@ def rl_step(step, questions, policy, ref_model, tokenizer, optimizer, scheduler,
     batch_prompts, batch_completions, batch_rewards, per_question, rollout_rows = [], [], [], [], []
     for rec, group, ans, ver in zip(shard, groups, answers, verdicts):
         v = [r.v if r is not None else 0 for r in ver]
-        label, _ = weighted_vote(ans, v, omega=cfg.omega, **dom.classes)
-        r = rewards(ans, label, **dom.classes)
-        stats = group_metrics(ans, v, label, cfg.omega, gold=rec["answer"], **dom.classes)
+        vote = weighted_vote(ans, v, omega=cfg.omega, **dom.classes)  # rewards and flips: from vote's classes
+        label, r = vote.label, vote.rewards()
+        stats = group_metrics(vote, v, gold=rec["answer"], **dom.classes)
         # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke it
         stats["majority_label_accuracy"] = stats["label_accuracy"] - stats["flip_fixed"] + stats["flip_broke"]
         correct = [is_correct(a, rec["answer"], dom) for a in ans]
@@ -711,8 +711,8 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
         totals = {"label_accuracy": 0.0, "reward_accuracy": 0.0, "flipped": 0.0, "flip_fixed": 0.0, "flip_broke": 0.0}
         for (_, qid), rows in groups.items():
             answers, v = [r["answer"] for r in rows], [r["v"] for r in rows]
-            label, _ = weighted_vote(answers, v, omega=omega, **domain_of(cfg["bench"]).classes)
-            stats = group_metrics(answers, v, label, omega, gold=gold[qid], **domain_of(cfg["bench"]).classes)
+            vote = weighted_vote(answers, v, omega=omega, **domain_of(cfg["bench"]).classes)
+            stats = group_metrics(vote, v, gold=gold[qid], **domain_of(cfg["bench"]).classes)
             for key in totals:
                 totals[key] += stats[key]
         n = max(len(groups), 1)
