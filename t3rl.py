@@ -295,7 +295,8 @@ class Config:
     bench: str = option("demo", "benchmark", tuple(BENCHES))
     limit: int = option(0, "use only the first LIMIT questions of the benchmark (0 = all)", COUNT)
     model: str = option("embedded", "policy: Hub id, local folder, .gguf file, or 'embedded' (offline Qwen2.5-Coder-0.5B-Instruct)")
-    verifier_model: str = option("self", "verifier LLM: 'self' = frozen copy of the policy's starting weights, or any --model value")
+    verifier_model: str = option("self", "verifier LLM: 'self' = frozen copy of the policy's starting weights "
+                                 "(self-verification), or any --model value (coder-1.5b: the offline paper verifier)")
     preset: str = option("auto", "auto (cpu without a GPU, paper with one); explicit options override it",
                          ("auto", "paper", "cpu", "none"))
     # test-time RL
@@ -346,9 +347,9 @@ class Config:
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 PRESETS = {
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
-    "cpu": dict(bench="demo", n_votes=8, n_train=4, questions_per_step=4, max_steps=6, max_new_tokens=320,
-                verifier_max_new_tokens=256, lr=2e-6, eval_samples=0, save_every=3, micro_batch_tokens=4096,
-                mini_batch_questions=2),
+    "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=4, max_steps=6,
+                max_new_tokens=320, verifier_max_new_tokens=256, lr=2e-6, eval_samples=0, save_every=3,
+                micro_batch_tokens=4096, mini_batch_questions=2),
     "none": {},
 }
 # options a resumed run may change: they decide when to evaluate and save, not what is computed
@@ -921,6 +922,7 @@ def question_monitors(rec, group, answers, verdicts, vote: Judged, cfg: Config) 
     results = [res for res in verdicts if res is not None]
     stats["verified"] = sum(vote.v)
     stats["verified_correct"] = sum(vi and ci for vi, ci in zip(vote.v, correct))
+    stats["correct"] = sum(correct)
     stats["statuses"] = [res.status for res in results]
     stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
     stats["verifier_calls_saved"] = sum(bool(getattr(res, "inferred", False)) for res in results)
@@ -937,7 +939,12 @@ def step_metrics(step, per_question, update, seconds) -> dict:
                 "ground_truth_ratio", "verified_ratio", "flipped", "flip_fixed", "flip_broke", "pass@N"):
         row[key] = mean([q[key] for q in per_question])
     verified = sum(q["verified"] for q in per_question)
-    row["verifier_precision"] = sum(q["verified_correct"] for q in per_question) / verified if verified else None
+    # the verifier against the hidden gold answers (reporting only): precision = right share of the verified,
+    # recall = verified share of the right rollouts
+    row["verified_rollouts"], row["correct_rollouts"] = verified, sum(q["correct"] for q in per_question)
+    row["verified_correct"] = sum(q["verified_correct"] for q in per_question)
+    row["verifier_precision"] = row["verified_correct"] / verified if verified else None
+    row["verifier_recall"] = row["verified_correct"] / row["correct_rollouts"] if row["correct_rollouts"] else None
     statuses = [s for q in per_question for s in q["statuses"]]
     row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
     lengths = [n for q in per_question for n in q["response_tokens"]]
@@ -957,7 +964,7 @@ def format_step(row: dict, total: int) -> str:
     return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])} (maj {fmt(row['majority_label_accuracy'])})"
             f" reward {fmt(row['reward_accuracy'])} | maj-ratio {fmt(row['majority_ratio'])}"
             f" gt-ratio {fmt(row['ground_truth_ratio'])} | verified {fmt(row['verified_ratio'])}"
-            f" prec {fmt(row['verifier_precision'])} | flips {row['flipped'] * row['questions']:.0f}"
+            f" prec {fmt(row['verifier_precision'])} rec {fmt(row['verifier_recall'])} | flips {row['flipped'] * row['questions']:.0f}"
             f" (+{row['flip_fixed'] * row['questions']:.0f}/-{row['flip_broke'] * row['questions']:.0f})"
             f" | len {row['response_length']:.0f} ent {fmt(row.get('grpo/entropy'))} loss {row.get('grpo/loss', 0):+.4f}"
             f" opt-steps {row.get('grpo/optimizer_steps', 0):.0f} clip {row.get('grpo/clip_frac', 0):.4f} | {timing}")
@@ -987,6 +994,10 @@ def summary(run_dir: Path) -> str:
         lines.append(f"{'label acc. T3RL (weighted)':<28}{mean('label_accuracy'):>10.3f}")
         lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
         lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
+        total = lambda key: sum(r.get(key, 0) for r in train_rows)  # noqa: E731
+        for name, hits, of in (("verifier precision", "verified_correct", "verified_rollouts"),
+                               ("verifier recall", "verified_correct", "correct_rollouts")):
+            lines.append(f"{name:<28}" + (f"{total(hits) / total(of):>10.3f}" if total(of) else f"{'-':>10}"))
         lines.append(f"{'flips (fixed / broke)':<28}{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
                      f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
                      f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")

