@@ -25,12 +25,15 @@ import random
 import shutil
 import sys
 import time
+import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import LoggerType, gather_object, set_seed
 from huggingface_hub import snapshot_download
 from tqdm import tqdm
 
@@ -128,7 +131,8 @@ def hub_records(name: str, rows: list[dict]) -> list[dict]:
     records = []
     for i, row in enumerate(rows):
         qid = row.get("unique_id", row.get("id"))
-        rec = {"id": f"{name}-{i}" if qid is None else str(qid), "problem": row["problem"], "answer": str(row["answer"])}
+        rec = {"id": f"{name}-{i}" if qid is None else str(qid), "problem": row["problem"],
+               "answer": str(row["answer"])}
         rec.update({k: row[k] for k in ("level", "subject") if k in row})
         records.append(rec)
     return records
@@ -203,6 +207,8 @@ class Config:
     eval_every: int = opt(0, "evaluate every K steps (0 = only before and after training)")
     eval_samples: int = opt(4, "k for avg@k and maj@k (paper: 16 for AIME 2024, 4 otherwise; 0 = greedy only)")
     save_every: int = opt(10, "checkpoint every K steps (and at the end)")
+    report_to: str = opt("none", "experiment trackers, comma-separated, through accelerate: tensorboard, wandb, mlflow, "
+                         "comet_ml, aim, clearml, dvclive, swanlab, trackio | all (every one installed) | none")
     out_dir: str = opt("runs", "folder that holds the run folders")
     run_name: str = opt("", "run folder name (default: bench-method-time)")
     seed: int = opt(0, "seed for sampling, downsampling and initialisation")
@@ -287,6 +293,11 @@ def _check_config(cfg: Config, parser):
         parser.error(f"--sample-dtype {cfg.sample_dtype}: choose auto, float32 or bfloat16")
     if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         parser.error(f"--loss-agg {cfg.loss_agg}: choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
+    for name in tracker_names(cfg):
+        if name not in LoggerType.list():
+            parser.error(f"--report-to {name}: choose from {', '.join(LoggerType.list())} or none")
+        if name != "all" and name not in {str(t) for t in get_available_trackers()}:
+            parser.error(f"--report-to {name}: the {name} package is not installed; pip install {name}")
     if cfg.resume and not (Path(cfg.resume) / "config.json").is_file():
         parser.error(f"--resume {cfg.resume}: no config.json there; pass a run folder written by t3rl.py")
 
@@ -450,6 +461,43 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Experiment trackers (--report-to, through accelerate): each metrics.jsonl row also goes to the trackers, main
+# process only. Their x axis is updates done: the evaluation before training at 0, train row `step` s at s + 1.
+
+def tracker_names(cfg: Config) -> list[str]:
+    return [name.strip() for name in cfg.report_to.split(",") if name.strip() not in ("", "none")]
+
+
+@contextmanager
+def tracking(acc, cfg: Config, run_dir: Path, start: int):
+    """Trackers started with the run's config for the body of the run, finished (flushed, closed) after it. A
+    resumed run continues its tracker run: W&B by the run id kept in the run folder, TensorBoard in the same
+    folder with what was logged after the checkpoint purged."""
+    if acc.is_main_process and tracker_names(cfg):
+        id_file = run_dir / "wandb_id"
+        if not id_file.is_file():
+            id_file.write_text(uuid.uuid4().hex[:12])
+        acc.init_trackers("t3rl", config=asdict(cfg), init_kwargs={
+            "tensorboard": {"purge_step": start + 1} if start else {},
+            "wandb": {"name": run_dir.name, "id": id_file.read_text(), "resume": "allow", "dir": str(run_dir)}})
+    try:
+        yield
+    finally:
+        acc.end_training()
+
+
+def tracker_row(row: dict, prefix: str = "") -> dict:
+    """A metrics row as trackers take it: its numbers under the same names, nested ones as 'status/verified'."""
+    flat = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            flat.update(tracker_row(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The loop
 
 def question_batches(records: list[dict], cfg: Config) -> list[list[dict]]:
@@ -475,9 +523,9 @@ def build_verifier(cfg: Config, device):
 
 
 def train(cfg: Config) -> Path:
-    acc = Accelerator(cpu=not _has_gpu())
-    set_seed(cfg.seed)
     run_dir = Path(cfg.resume) if cfg.resume else new_run_dir(cfg)
+    acc = Accelerator(cpu=not _has_gpu(), log_with=tracker_names(cfg) or None, project_dir=run_dir)
+    set_seed(cfg.seed)
     records = load_bench(cfg.bench)[:cfg.limit or None]
     batches = question_batches(records, cfg)
     checkpoint = latest_checkpoint(run_dir) if cfg.resume else None
@@ -506,14 +554,16 @@ def train(cfg: Config) -> Path:
         (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         keep_jsonl(run_dir / "metrics.jsonl", lambda r: r["step"] < start or (r["kind"] == "eval" and r["step"] <= start))
         keep_jsonl(run_dir / "rollouts.jsonl", lambda r: r["step"] < start)
-        print(f"[t3rl] run folder {run_dir}; {len(records)} questions, {len(batches)} steps"
+        print(f"[t3rl] run folder {run_dir}; {len(records)} questions, {len(batches)} steps, "
+              f"{acc.num_processes} process{'es' if acc.num_processes > 1 else ''} on {acc.device.type}"
               + (f", resuming after step {start}" if start else ""), file=sys.stderr)
 
     def log(row):
         if acc.is_main_process:
             append_jsonl(run_dir / "metrics.jsonl", [row])
+            acc.log(tracker_row(row), step=row["step"] + (row["kind"] == "train"))
 
-    with SandboxPool() as pool:
+    with SandboxPool() as pool, tracking(acc, cfg, run_dir, start):
         if acc.is_main_process:
             print(f"[t3rl] sandbox: {pool.report}", file=sys.stderr)
         if start == 0:

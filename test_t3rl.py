@@ -190,7 +190,8 @@ class FakeHubHandler(http.server.BaseHTTPRequestHandler):
                                    for f, data in files.items()])
             name = path.removeprefix(f"/datasets/{repo}/resolve/{self.commit}/")
             if name in files:
-                return self.reply(files[name], {"X-Repo-Commit": self.commit, "ETag": f'"{hashlib.sha1(files[name]).hexdigest()}"'})
+                etag = f'"{hashlib.sha1(files[name]).hexdigest()}"'
+                return self.reply(files[name], {"X-Repo-Commit": self.commit, "ETag": etag})
         self.reply(b"", status=404)
 
     do_HEAD = do_GET
@@ -229,9 +230,11 @@ def test_benchmarks_come_through_the_hub_client_with_token_mirror_cache_and_offl
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(
         [{"id": i, "problem": f"p{i}", "answer": 142.0 + i, "url": "u"} for i in range(3)]), amc)
     math500 = {"problem": "p", "answer": "\\frac12", "unique_id": "test/a.json", "level": 2, "subject": "Algebra"}
-    hub = FakeHub({"AI-MO/aimo-validation-amc": {"data/train-00000-of-00001.parquet": amc.read_bytes(), "README.md": b"#"},
-                   "HuggingFaceH4/MATH-500": {"test.jsonl": (json.dumps(math500) + "\n").encode(), "README.md": b"#"}})
-    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_t3rl_test", "EMPTY_ROOT": str(tmp_path)}
+    hub = FakeHub({
+        "AI-MO/aimo-validation-amc": {"data/train-00000-of-00001.parquet": amc.read_bytes(), "README.md": b"#"},
+        "HuggingFaceH4/MATH-500": {"test.jsonl": (json.dumps(math500) + "\n").encode(), "README.md": b"#"}})
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_t3rl_test",
+           "EMPTY_ROOT": str(tmp_path)}
     try:
         online = load_benches_in_a_new_process(env, "amc", "math500")
         assert online["amc"] == [{"id": str(i), "problem": f"p{i}", "answer": f"{142.0 + i}"} for i in range(3)]
@@ -1677,22 +1680,27 @@ def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tm
     assert (run / "checkpoint" / "state.pt").is_file() and (run / "curves.png").stat().st_size > 1000
 
 
+def train_until_interrupted(monkeypatch, argv, update: int):
+    """Run t3rl.train on argv and press Ctrl-C in the middle of its update-th GRPO update."""
+    real_step, calls = t3rl.grpo_step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == update:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+    monkeypatch.setattr(t3rl, "grpo_step", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        t3rl.train(t3rl.parse_config(argv))
+    monkeypatch.setattr(t3rl, "grpo_step", real_step)
+
+
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     straight = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "a")))
 
-    real_step, calls = t3rl.grpo_step, []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-    monkeypatch.setattr(t3rl, "grpo_step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "b")))
-    monkeypatch.setattr(t3rl, "grpo_step", real_step)
+    train_until_interrupted(monkeypatch, tiny_argv(tiny_dir, tmp_path / "b"), update=3)
     resumed = t3rl.train(t3rl.parse_config(["--resume", str(tmp_path / "b" / "run")]))
 
     assert without_timing(rows(resumed, "metrics.jsonl")) == without_timing(rows(straight, "metrics.jsonl"))
@@ -1710,6 +1718,83 @@ def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, pat
     table = capsys.readouterr().out.splitlines()
     assert "4 rollout groups" in table[0] and [line.split()[0] for line in table[2:]] == ["1", "5", "inf"]
     assert table[2].split()[3] == "0"  # omega = 1 is the majority vote itself: no flips
+
+
+def tensorboard_scalars(folder: Path) -> dict:
+    """{tag: [(step, value), ...]} from the TensorBoard event files in a folder, as TensorBoard itself reads them
+    (events a resumed writer purged are dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder)).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_report_to_tensorboard_logs_every_row_and_a_resumed_run_continues_it(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    # step 3 (index 2) is logged after the checkpoint at 2, then step 4 dies: the resumed run logs step 3 again
+    train_until_interrupted(monkeypatch, tiny_argv(tiny_dir, tmp_path / "out", eval_samples=0, report_to="tensorboard"),
+                            update=4)
+    run = tmp_path / "out" / "run"
+    assert max(step for step, _ in tensorboard_scalars(run / "t3rl")["label_accuracy"]) == 3
+    t3rl.train(t3rl.parse_config(["--resume", str(run)]))
+
+    scalars = tensorboard_scalars(run / "t3rl")
+    expected = {}
+    for row in rows(run, "metrics.jsonl"):
+        for key, value in t3rl.tracker_row(row).items():
+            expected.setdefault(key, []).append((row["step"] + (row["kind"] == "train"), value))
+    assert "status/verified" in expected and "pass@1" in expected and "grpo/loss" in expected
+    assert scalars.keys() == expected.keys()
+    for key, points in expected.items():  # every row once, at its step, with its value (to float32 precision)
+        assert [step for step, _ in scalars[key]] == [step for step, _ in points], key
+        assert [value for _, value in scalars[key]] == pytest.approx([value for _, value in points], rel=1e-6), key
+    hparams = [path.read_text() for path in (run / "t3rl").glob("*/hparams.yml")]  # one per start
+    assert len(hparams) == 2 and all("n_votes: 4" in h and "report_to: tensorboard" in h for h in hparams)
+
+
+def test_report_to_names_unknown_and_missing_trackers(monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        t3rl.parse_config(["--report-to", "tensorbored"])
+    assert "--report-to tensorbored: choose from" in capsys.readouterr().err
+    monkeypatch.setattr(t3rl, "get_available_trackers", lambda: [])
+    with pytest.raises(SystemExit):
+        t3rl.parse_config(["--report-to", "tensorboard,wandb"])
+    err = capsys.readouterr().err
+    assert "--report-to tensorboard: the tensorboard package is not installed; pip install tensorboard" in err
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_slurm_script_launches_one_run_over_two_nodes(tiny_dir, tmp_path):
+    """launch/slurm.sbatch as Slurm runs it on 2 nodes x 1 GPU, here on this CPU: a stand-in srun runs its launch
+    line once per node with that node's SLURM_NODEID, scontrol names the main node; the two processes meet at
+    that address and form one run of world size 2, which logs (metrics.jsonl, TensorBoard) from one process."""
+    write_bench(tmp_path / "data", QUESTIONS[:2])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ $1 == -* ]]; do shift; done\n'
+                                  'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" & done\n'
+                                  'for job in $(jobs -p); do wait "$job" || exit 1; done\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2",
+           "SLURM_GPUS_ON_NODE": "1", "MAIN_PORT": str(free_port()), "T3RL_DATA_DIR": str(tmp_path / "data"),
+           "OMP_NUM_THREADS": "1"}
+    argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=1, eval_samples=0, verify=False, report_to="tensorboard")
+    done = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 questions, 1 steps, 2 processes on cpu" in done.stderr
+    run = tmp_path / "out" / "run"
+    assert [m["kind"] for m in rows(run, "metrics.jsonl")] == ["eval", "train", "eval"]
+    assert len(list((run / "t3rl").glob("events.out.tfevents.*"))) == 1
+    assert [step for step, _ in tensorboard_scalars(run / "t3rl")["pass@1"]] == [0, 1]
 
 
 def test_two_processes_train_like_one(tiny_dir, tmp_path):
