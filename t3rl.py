@@ -473,13 +473,16 @@ def tracking(acc, cfg: Config, run_dir: Path, start: int):
     """Trackers started with the run's config for the body of the run, finished (flushed, closed) after it. A
     resumed run continues its tracker run: W&B by the run id kept in the run folder, TensorBoard in the same
     folder with what was logged after the checkpoint purged."""
-    if acc.is_main_process and tracker_names(cfg):
-        id_file = run_dir / "wandb_id"
-        if not id_file.is_file():
-            id_file.write_text(uuid.uuid4().hex[:12])
-        acc.init_trackers("t3rl", config=asdict(cfg), init_kwargs={
-            "tensorboard": {"purge_step": start + 1} if start else {},
-            "wandb": {"name": run_dir.name, "id": id_file.read_text(), "resume": "allow", "dir": str(run_dir)}})
+    names = tracker_names(cfg)
+    if acc.is_main_process and names:
+        init_kwargs = {"tensorboard": {"purge_step": start + 1} if start else {}}
+        if {"wandb", "all"} & set(names):
+            id_file = run_dir / "wandb_id"
+            if not id_file.is_file():
+                id_file.write_text(uuid.uuid4().hex[:12])
+            init_kwargs["wandb"] = {"name": run_dir.name, "id": id_file.read_text(), "resume": "allow",
+                                    "dir": str(run_dir)}
+        acc.init_trackers("t3rl", config=asdict(cfg), init_kwargs=init_kwargs)
     try:
         yield
     finally:
