@@ -26,15 +26,16 @@ import random
 import shutil
 import sys
 import time
-import urllib.parse
-import urllib.request
+import uuid
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import LoggerType, gather_object, set_seed
+from huggingface_hub import snapshot_download
 from tqdm import tqdm
 
 import knk
@@ -140,14 +141,13 @@ def rl_step(step: int, questions: list[dict], learner: Learner) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # Benchmarks
 
-# name -> (Hub dataset, config, split); the demo benchmark ships with the repository as data/demo.jsonl
+# name -> (Hub dataset, its files that hold the split); the demo benchmark ships with the repository as data/demo.jsonl
 HUB_BENCHES = {
-    "math500": ("HuggingFaceH4/MATH-500", "default", "test"),
-    "aime2024": ("HuggingFaceH4/aime_2024", "default", "train"),
-    "amc": ("AI-MO/aimo-validation-amc", "default", "train"),
+    "math500": ("HuggingFaceH4/MATH-500", "test.jsonl"),
+    "aime2024": ("HuggingFaceH4/aime_2024", "data/train-*"),
+    "amc": ("AI-MO/aimo-validation-amc", "data/train-*"),
 }
 BENCHES = [*HUB_BENCHES, "demo", "knk"]  # knk: data/knk.jsonl, made by `python knk.py --generate`
-ROWS_API = "https://datasets-server.huggingface.co/rows"
 
 
 class DataError(ValueError):
@@ -206,18 +206,20 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def fetch_hub_rows(dataset: str, config: str, split: str, page: int = 100) -> list[dict]:
-    """All rows of a Hub dataset split through the Hub's rows API (plain JSON, no extra package)."""
-    rows, offset, total = [], 0, None
-    while total is None or offset < total:
-        query = urllib.parse.urlencode(dict(dataset=dataset, config=config, split=split, offset=offset, length=page))
-        with urllib.request.urlopen(f"{ROWS_API}?{query}", timeout=30) as resp:
-            body = json.load(resp)
-        total = body["num_rows_total"]
-        rows += [r["row"] for r in body["rows"]]
-        offset += page
-        if not body["rows"]:
-            break
+def download_hub_rows(dataset: str, files: str) -> list[dict]:
+    """The rows of a Hub dataset's split, through huggingface_hub: the user's HF_TOKEN, HF_ENDPOINT (a mirror),
+    HF_HUB_OFFLINE and cache (HF_HOME) apply as in every other Hub tool. JSON lines or Parquet (read by pyarrow)."""
+    folder = Path(snapshot_download(dataset, repo_type="dataset", allow_patterns=files))
+    paths = sorted(folder.glob(files))
+    if not paths:
+        raise FileNotFoundError(f"{dataset} has no file matching {files}")
+    rows = []
+    for path in paths:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet
+            rows += pyarrow.parquet.read_table(path).to_pylist()
+        else:
+            rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return rows
 
 
@@ -225,15 +227,16 @@ def hub_records(name: str, rows: list[dict]) -> list[dict]:
     """Map a Hub benchmark's rows to {id, problem, answer, ...} (MATH-500 keeps level and subject)."""
     records = []
     for i, row in enumerate(rows):
-        rec = {"id": str(row.get("unique_id") or row.get("id") or f"{name}-{i}"),
-               "problem": row["problem"], "answer": str(row["answer"])}
+        qid = row.get("unique_id", row.get("id"))
+        rec = {"id": f"{name}-{i}" if qid is None else str(qid), "problem": row["problem"],
+               "answer": str(row["answer"])}
         rec.update({k: row[k] for k in ("level", "subject") if k in row})
         records.append(rec)
     return records
 
 
-def load_bench(name: str, fetch=fetch_hub_rows) -> list[dict]:
-    """Benchmark records, from $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else the Hub (saved once)."""
+def load_bench(name: str) -> list[dict]:
+    """Benchmark records, from $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else the Hugging Face Hub."""
     if name not in BENCHES:
         raise BenchError(f"--bench {name}: unknown benchmark; choose one of {', '.join(BENCHES)}")
     local = ROOT / "data" / f"{name}.jsonl"
@@ -242,19 +245,16 @@ def load_bench(name: str, fetch=fetch_hub_rows) -> list[dict]:
         return read_jsonl(Path(data_dir) / f"{name}.jsonl")
     if local.is_file():
         return read_jsonl(local)
-    dataset, config, split = HUB_BENCHES[name]
-    print(f"[t3rl] downloading {name} from the Hugging Face Hub ({dataset}, split {split}) ...", file=sys.stderr)
+    dataset, files = HUB_BENCHES[name]
+    print(f"[t3rl] {name}: no local file, loading {dataset} through the Hugging Face Hub client", file=sys.stderr)
     try:
-        rows = fetch(dataset, config, split)
-    except OSError as err:
-        raise BenchError(f"--bench {name}: not found locally and the Hub is unreachable ({err}); put the file at "
-                         f"{local} or set T3RL_DATA_DIR to a folder holding {name}.jsonl "
+        rows = download_hub_rows(dataset, files)
+    except OSError as err:  # the client's errors (offline, unreachable, not found, gated) are all OSErrors
+        reason = (str(err).strip() or type(err).__name__).splitlines()[0]
+        raise BenchError(f"--bench {name}: not found locally and not available from the Hub ({reason}); put the file "
+                         f"at {local} or set T3RL_DATA_DIR to a folder holding {name}.jsonl "
                          f"(one JSON object per line with 'problem' and 'answer')") from None
-    records = hub_records(name, rows)
-    tmp = local.with_name(f"{local.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, local)
-    return records
+    return hub_records(name, rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -337,6 +337,8 @@ class Config:
     eval_every: int = option(0, "evaluate every K steps (0 = only before and after training)", COUNT)
     eval_samples: int = option(4, "k for avg@k and maj@k (paper: 16 for AIME 2024, 4 otherwise; 0 = greedy only)", COUNT)
     save_every: int = option(10, "checkpoint every K steps (and at the end)", AT_LEAST_ONE)
+    report_to: str = option("none", "experiment trackers, comma-separated, through accelerate: tensorboard, wandb, "
+                            "mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio | all (every one installed) | none")
     out_dir: str = option("runs", "folder that holds the run folders")
     run_name: str = option("", "run folder name (default: bench-method-time)")
     seed: int = option(0, "seed for sampling, downsampling and initialisation", Range(0, 2**32 - 1, high_open=False))
@@ -487,6 +489,11 @@ def check_config(cfg: Config, source: str = ""):
         if cfg.n_train > cfg.n_votes:
             raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes ({cfg.n_votes}); "
                               f"M rollouts are kept out of the N sampled")
+        for name in tracker_names(cfg):
+            if name not in LoggerType.list():
+                raise OptionError(f"--report-to {name}: choose from {', '.join(LoggerType.list())} or none")
+            if name != "all" and name not in {str(t) for t in get_available_trackers()}:
+                raise OptionError(f"--report-to {name}: the {name} package is not installed; pip install {name}")
     except OptionError as err:
         raise OptionError(f"{source}{err}") from None
     check_spec(cfg.model, "--model")
@@ -755,6 +762,46 @@ def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# Experiment trackers (--report-to, through accelerate): each metrics.jsonl row also goes to the trackers, main
+# process only. Their x axis is updates done: the evaluation before training at 0, train row `step` s at s + 1.
+
+def tracker_names(cfg: Config) -> list[str]:
+    return [name.strip() for name in cfg.report_to.split(",") if name.strip() not in ("", "none")]
+
+
+@contextmanager
+def tracking(acc, cfg: Config, run_dir: Path, start: int):
+    """Trackers started with the run's config for the body of the run, finished (flushed, closed) after it. A
+    resumed run continues its tracker run: W&B by the run id kept in the run folder, TensorBoard in the same
+    folder with what was logged after the checkpoint purged."""
+    names = tracker_names(cfg)
+    if acc.is_main_process and names:
+        init_kwargs = {"tensorboard": {"purge_step": start + 1} if start else {}}
+        if {"wandb", "all"} & set(names):
+            id_file = run_dir / "wandb_id"
+            if not id_file.is_file():
+                id_file.write_text(uuid.uuid4().hex[:12])
+            init_kwargs["wandb"] = {"name": run_dir.name, "id": id_file.read_text(), "resume": "allow",
+                                    "dir": str(run_dir)}
+        acc.init_trackers("t3rl", config=asdict(cfg), init_kwargs=init_kwargs)
+    try:
+        yield
+    finally:
+        acc.end_training()
+
+
+def tracker_row(row: dict, prefix: str = "") -> dict:
+    """A metrics row as trackers take it: its numbers under the same names, nested ones as 'status/verified'."""
+    flat = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            flat.update(tracker_row(value, f"{prefix}{key}/"))
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and key != "step":
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # The loop
 
 def question_batches(records: list[dict], cfg: Config) -> list[list[dict]]:
@@ -802,7 +849,7 @@ def restore_state(state: dict, optimizer, scheduler) -> int:
 
 
 def train(cfg: Config) -> Path:
-    acc = Accelerator(cpu=not _has_gpu())
+    acc = Accelerator(cpu=not _has_gpu(), log_with=tracker_names(cfg) or None, project_dir=run_dir_of(cfg))
     set_seed(cfg.seed)
     run_dir = open_run_dir(cfg) if acc.is_main_process else run_dir_of(cfg)
     acc.wait_for_everyone()
@@ -831,15 +878,17 @@ def train(cfg: Config) -> Path:
         keep_jsonl(run_dir / "metrics.jsonl",
                    lambda r: start and (r["step"] < start or (r["kind"] == "eval" and r["step"] <= start)))
         keep_jsonl(run_dir / "rollouts.jsonl", lambda r: r["step"] < start)
-        print(f"[t3rl] run folder {run_dir}; {len(records)} questions, {len(batches)} steps"
+        print(f"[t3rl] run folder {run_dir}; {len(records)} questions, {len(batches)} steps, "
+              f"{acc.num_processes} process{'es' if acc.num_processes > 1 else ''} on {acc.device.type}"
               + (f", resuming after step {start}" if start else ", no checkpoint yet: from step 0" if cfg.resume else ""),
               file=sys.stderr)
 
     def log(row):
         if acc.is_main_process:
             append_jsonl(run_dir / "metrics.jsonl", [row])
+            acc.log(tracker_row(row), step=row["step"] + (row["kind"] == "train"))
 
-    with SandboxPool(timeout=cfg.sandbox_timeout) as pool:
+    with SandboxPool(timeout=cfg.sandbox_timeout) as pool, tracking(acc, cfg, run_dir, start):
         learner = Learner(cfg, acc, policy, tokenizer, optimizer, scheduler, verifier, pool, run_dir, ref_model)
         if acc.is_main_process:
             print(f"[t3rl] sandbox: {pool.report}", file=sys.stderr)

@@ -3,6 +3,8 @@ do, the embedded 0.5B model where the real one matters. Run: python -m pytest -q
 import copy
 import dataclasses
 import doctest
+import hashlib
+import http.server
 import itertools
 import json
 import math
@@ -17,7 +19,9 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -201,49 +205,100 @@ def test_record_without_answer_names_file_and_line(tmp_path, monkeypatch):
         t3rl.load_bench("amc")
 
 
-def test_offline_without_local_file_says_where_to_put_it(tmp_path, monkeypatch):
-    monkeypatch.delenv("T3RL_DATA_DIR")
-    monkeypatch.setattr(t3rl, "ROOT", tmp_path)
+class FakeHub(http.server.ThreadingHTTPServer):
+    """The Hub's HTTP API as huggingface_hub uses it (repo info, file tree, file downloads), on 127.0.0.1, serving
+    `files` {dataset: {path: bytes}}; `requests` records (path, Authorization header) for each dataset request."""
 
-    def offline(*args):
-        raise OSError("Name or service not known")
-    with pytest.raises(t3rl.BenchError, match=r"Hub is unreachable.*put the file at .*data/amc.jsonl or set T3RL_DATA_DIR"):
-        t3rl.load_bench("amc", fetch=offline)
-
-
-def test_hub_download_is_saved_once_and_reused(tmp_path, monkeypatch):
-    monkeypatch.delenv("T3RL_DATA_DIR")
-    monkeypatch.setattr(t3rl, "ROOT", tmp_path)
-    (tmp_path / "data").mkdir()
-    calls = []
-
-    def fetch(dataset, config, split):
-        calls.append((dataset, split))
-        return [{"problem": "p1", "answer": 3, "unique_id": "test/a.json", "level": 2, "subject": "Algebra"}]
-    first = t3rl.load_bench("math500", fetch=fetch)
-    second = t3rl.load_bench("math500", fetch=fetch)
-    assert calls == [("HuggingFaceH4/MATH-500", "test")]
-    assert first == second == [{"id": "test/a.json", "problem": "p1", "answer": "3", "level": 2, "subject": "Algebra"}]
+    def __init__(self, files):
+        self.files, self.requests = files, []
+        super().__init__(("127.0.0.1", 0), FakeHubHandler)
+        self.url = f"http://127.0.0.1:{self.server_port}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
-def test_hub_rows_api_pages_through_the_split(monkeypatch):
-    pages = {0: list(range(100)), 100: list(range(100, 130))}
+class FakeHubHandler(http.server.BaseHTTPRequestHandler):
+    commit = "0123456789abcdef0123456789abcdef01234567"
 
-    class Resp:
-        def __init__(self, url):
-            offset = int(url.split("offset=")[1].split("&")[0])
-            self.body = json.dumps({"num_rows_total": 130, "rows": [{"row": {"i": i}} for i in pages[offset]]})
+    def do_GET(self):
+        path = urllib.parse.urlparse(self.path).path
+        for repo, files in self.server.files.items():
+            if repo in path:
+                self.server.requests.append((path, self.headers.get("authorization")))
+            if path.startswith(f"/api/datasets/{repo}/revision/"):
+                return self.reply({"id": repo, "sha": self.commit, "siblings": [{"rfilename": f} for f in files]})
+            if path.startswith(f"/api/datasets/{repo}/tree/"):
+                return self.reply([{"type": "file", "path": f, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                                   for f, data in files.items()])
+            name = path.removeprefix(f"/datasets/{repo}/resolve/{self.commit}/")
+            if name in files:
+                etag = f'"{hashlib.sha1(files[name]).hexdigest()}"'
+                return self.reply(files[name], {"X-Repo-Commit": self.commit, "ETag": etag})
+        self.reply(b"", status=404)
 
-        def __enter__(self):
-            return self
+    do_HEAD = do_GET
 
-        def __exit__(self, *a):
-            return False
+    def reply(self, body, headers=(), status=200):
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        for key, value in dict(headers).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
 
-        def read(self, *a):
-            return self.body.encode()
-    monkeypatch.setattr(t3rl.urllib.request, "urlopen", lambda url, timeout: Resp(url))
-    assert [r["i"] for r in t3rl.fetch_hub_rows("x/y", "default", "train")] == list(range(130))
+    def log_message(self, *args):
+        pass
+
+
+def load_benches_in_a_new_process(env, *names) -> dict:
+    """load_bench(name) for each name in a fresh process (huggingface_hub reads HF_* variables at import) with no
+    local benchmark files."""
+    script = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r})\nimport t3rl\nt3rl.ROOT = t3rl.Path(sys.argv[1])\n"
+              "print(json.dumps({name: t3rl.load_bench(name) for name in sys.argv[2:]}))\n")
+    env = {**{k: v for k, v in os.environ.items() if k not in ("T3RL_DATA_DIR", "HF_HUB_OFFLINE")}, **env}
+    done = subprocess.run([sys.executable, "-c", script, env.pop("EMPTY_ROOT"), *names], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_benchmarks_come_through_the_hub_client_with_token_mirror_cache_and_offline_mode(tmp_path, monkeypatch):
+    import huggingface_hub
+    import pyarrow
+    import pyarrow.parquet
+    amc = tmp_path / "amc.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(
+        [{"id": i, "problem": f"p{i}", "answer": 142.0 + i, "url": "u"} for i in range(3)]), amc)
+    math500 = {"problem": "p", "answer": "\\frac12", "unique_id": "test/a.json", "level": 2, "subject": "Algebra"}
+    hub = FakeHub({
+        "AI-MO/aimo-validation-amc": {"data/train-00000-of-00001.parquet": amc.read_bytes(), "README.md": b"#"},
+        "HuggingFaceH4/MATH-500": {"test.jsonl": (json.dumps(math500) + "\n").encode(), "README.md": b"#"}})
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_t3rl_test",
+           "EMPTY_ROOT": str(tmp_path)}
+    try:
+        online = load_benches_in_a_new_process(env, "amc", "math500")
+        assert online["amc"] == [{"id": str(i), "problem": f"p{i}", "answer": f"{142.0 + i}"} for i in range(3)]
+        assert online["math500"] == [{"id": "test/a.json", "problem": "p", "answer": "\\frac12", "level": 2,
+                                      "subject": "Algebra"}]
+        # the mirror got every request, with the user's token, and served only the split's files
+        assert hub.requests and {auth for _, auth in hub.requests} == {"Bearer hf_t3rl_test"}
+        assert not any(path.endswith("README.md") for path, _ in hub.requests)
+        # offline (what HF_HUB_OFFLINE=1 and that HF_HOME set at import): the cache answers without a request,
+        # and what was never downloaded is one clear line
+        hub.requests.clear()
+        monkeypatch.delenv("T3RL_DATA_DIR")
+        monkeypatch.setattr(t3rl, "ROOT", tmp_path)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+        assert t3rl.load_bench("amc") == online["amc"]
+        with pytest.raises(t3rl.BenchError) as err:
+            t3rl.load_bench("aime2024")
+    finally:
+        hub.shutdown()
+    assert hub.requests == []
+    assert str(err.value).startswith("--bench aime2024: not found locally and not available from the Hub (")
+    assert "HF_HUB_OFFLINE" in str(err.value) and "put the file at" in str(err.value) and "\n" not in str(err.value)
 
 
 # =================================================================================================================
@@ -1837,25 +1892,39 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
     assert f"verifier recall{pooled['both'] / pooled['right']:>23.3f}" in table
 
 
+@contextmanager
+def interrupted_at_update(monkeypatch, update: int):
+    """Ctrl-C in the middle of the update-th GRPO update of whatever runs in the block."""
+    real_step, calls = t3rl.grpo_step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == update:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+    monkeypatch.setattr(t3rl, "grpo_step", interrupted)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(t3rl, "grpo_step", real_step)
+
+
+def train_until_interrupted(monkeypatch, argv, update: int):
+    """Run t3rl.train on argv and press Ctrl-C in the middle of its update-th GRPO update."""
+    with interrupted_at_update(monkeypatch, update), pytest.raises(KeyboardInterrupt):
+        t3rl.train(t3rl.parse_config(argv))
+
+
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     straight = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "a")))
 
-    real_step, calls = t3rl.grpo_step, []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real_step(*args, **kwargs)
-    monkeypatch.setattr(t3rl, "grpo_step", interrupted)
-    with pytest.raises(SystemExit) as stop:  # Ctrl-C: one line with the command that continues the run
-        t3rl.main(tiny_argv(tiny_dir, tmp_path / "b"))
+    with interrupted_at_update(monkeypatch, 3), pytest.raises(SystemExit) as stop:
+        t3rl.main(tiny_argv(tiny_dir, tmp_path / "b"))  # Ctrl-C: one line with the command that continues the run
     run = tmp_path / "b" / "run"
     assert stop.value.code == (f"interrupted: {run} holds every step up to its last checkpoint; continue with: "
                                f"python t3rl.py --resume {run}")
-    monkeypatch.setattr(t3rl, "grpo_step", real_step)
     resumed = t3rl.train(t3rl.parse_config(["--resume", str(tmp_path / "b" / "run")]))
 
     assert without_timing(rows(resumed, "metrics.jsonl")) == without_timing(rows(straight, "metrics.jsonl"))
@@ -1879,6 +1948,81 @@ def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, pat
     assert "4 rollout groups" in table[0] and [line.split()[0] for line in table[2:]] == ["1", "5", "inf"]
     assert table[2].split()[3] == "0"  # omega = 1 is the majority vote itself: no flips
     assert not (run.parent / "runs").exists() and sorted(p.name for p in run.parent.iterdir()) == ["run"]
+
+
+def tensorboard_scalars(folder: Path) -> dict:
+    """{tag: [(step, value), ...]} from the TensorBoard event files in a folder, as TensorBoard itself reads them
+    (events a resumed writer purged are dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder)).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_report_to_tensorboard_logs_every_row_and_a_resumed_run_continues_it(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    # step 3 (index 2) is logged after the checkpoint at 2, then step 4 dies: the resumed run logs step 3 again
+    train_until_interrupted(monkeypatch, tiny_argv(tiny_dir, tmp_path / "out", eval_samples=0, report_to="tensorboard"),
+                            update=4)
+    run = tmp_path / "out" / "run"
+    assert max(step for step, _ in tensorboard_scalars(run / "t3rl")["label_accuracy"]) == 3
+    t3rl.train(t3rl.parse_config(["--resume", str(run)]))
+
+    scalars = tensorboard_scalars(run / "t3rl")
+    expected = {}
+    for row in rows(run, "metrics.jsonl"):
+        for key, value in t3rl.tracker_row(row).items():
+            expected.setdefault(key, []).append((row["step"] + (row["kind"] == "train"), value))
+    assert "status/verified" in expected and "pass@1" in expected and "grpo/loss" in expected
+    assert scalars.keys() == expected.keys()
+    for key, points in expected.items():  # every row once, at its step, with its value (to float32 precision)
+        assert [step for step, _ in scalars[key]] == [step for step, _ in points], key
+        assert [value for _, value in scalars[key]] == pytest.approx([value for _, value in points], rel=1e-6), key
+    hparams = [path.read_text() for path in (run / "t3rl").glob("*/hparams.yml")]  # one per start
+    assert len(hparams) == 2 and all("n_votes: 4" in h and "report_to: tensorboard" in h for h in hparams)
+
+
+def test_report_to_names_unknown_and_missing_trackers(monkeypatch):
+    with pytest.raises(t3rl.OptionError, match="--report-to tensorbored: choose from"):
+        t3rl.parse_config(["--report-to", "tensorbored"])
+    monkeypatch.setattr(t3rl, "get_available_trackers", lambda: [])
+    with pytest.raises(t3rl.OptionError, match="--report-to tensorboard: the tensorboard package is not installed; "
+                                               "pip install tensorboard"):
+        t3rl.parse_config(["--report-to", "tensorboard,wandb"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_slurm_script_launches_one_run_over_two_nodes(tiny_dir, tmp_path):
+    """launch/slurm.sbatch as Slurm runs it on 2 nodes x 1 GPU, here on this CPU: a stand-in srun runs its launch
+    line once per node with that node's SLURM_NODEID, scontrol names the main node; the two processes meet at
+    that address and form one run of world size 2, which logs (metrics.jsonl, TensorBoard) from one process."""
+    write_bench(tmp_path / "data", QUESTIONS[:2])
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ $1 == -* ]]; do shift; done\n'
+                                  'for node in $(seq 0 $((SLURM_NNODES - 1))); do SLURM_NODEID=$node "$@" & done\n'
+                                  'for job in $(jobs -p); do wait "$job" || exit 1; done\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2",
+           "SLURM_GPUS_ON_NODE": "1", "MAIN_PORT": str(free_port()), "T3RL_DATA_DIR": str(tmp_path / "data"),
+           "OMP_NUM_THREADS": "1"}
+    argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=1, eval_samples=0, verify=False, report_to="tensorboard")
+    done = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "2 questions, 1 steps, 2 processes on cpu" in done.stderr
+    run = tmp_path / "out" / "run"
+    assert [m["kind"] for m in rows(run, "metrics.jsonl")] == ["eval", "train", "eval"]
+    assert len(list((run / "t3rl").glob("events.out.tfevents.*"))) == 1
+    assert [step for step, _ in tensorboard_scalars(run / "t3rl")["pass@1"]] == [0, 1]
 
 
 LAUNCHED = """import sys
