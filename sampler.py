@@ -66,9 +66,12 @@ end-of-sequence token (GRPO trains on it). `text` is the decoded completion with
 Both backends run under torch.inference_mode and leave the model's mode (train / eval) as they found it.
 """
 import functools
+import json
 import os
+import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -835,18 +838,125 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
           f"products alone, timed on their own with these weights")
 
 
+
+# --------------------------------------------------------------------------- benchmark: the verifier's prompts
+
+BASELINE_REV = "5e94512"  # main before shared-prefix prefill (issue 15): the old path of --verifier-prompts
+
+
+def written_rollout(problem: dict, k: int) -> str:
+    """A rollout for the bench: k + 2 reasoning steps, then the right answer (k even) or a wrong one."""
+    steps = "\n".join(f"Step {i + 1}: take the quantities the problem gives and combine them as it asks; "
+                      f"check the units and the arithmetic once more." for i in range(2 + 3 * k))
+    answer = problem["answer"] if k % 2 == 0 else problem["answer"] + "1"
+    return f"We read the problem carefully.\n{problem['problem']}\n{steps}\nSo the answer is $\\boxed{{{answer}}}$."
+
+
+def verifier_bench_prompts(tokenizer, problems: int, rollouts: int) -> list[list[int]]:
+    """Token ids of problems x rollouts verifier prompts (demo problems, written rollouts), in the verifier's
+    chat template as model_verifier sends them: a step's N rollouts of one question share the system
+    prompt and the problem."""
+    from verifier import VERIFIER_SYSTEM, verifier_prompt
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo.jsonl")) as fh:
+        records = [json.loads(line) for line in fh][:problems]
+    chats = [tokenizer.apply_chat_template([{"role": "system", "content": VERIFIER_SYSTEM},
+                                            {"role": "user", "content": verifier_prompt(r["problem"], written_rollout(r, k))}],
+                                           tokenize=False, add_generation_prompt=True)
+             for r in records for k in range(rollouts)]
+    return [tokenizer(chat, add_special_tokens=False).input_ids for chat in chats]
+
+
+def baseline_sampler(rev: str):
+    """sampler.py as it was at git revision `rev`, imported under the name sampler_<rev>."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    source = subprocess.run(["git", "show", f"{rev}:sampler.py"], cwd=here, capture_output=True, text=True,
+                            check=True).stdout
+    module = types.ModuleType(f"sampler_{rev}")
+    exec(compile(source, f"sampler.py@{rev}", "exec"), module.__dict__)
+    return module
+
+
+def prefill_flop(model, tokens: int) -> int:
+    """FLOP of the weight matrix products for `tokens` prompt tokens (2 per weight and token; the tied or separate
+    head counted for one token per prompt, so left out)."""
+    body = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
+    return 2 * body * tokens
+
+
+def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, baseline_rev):
+    """Old (git revision baseline_rev) against new sampler on the verifier prompts of one step: prefill alone
+    (max_new_tokens=1), then whole verifier generations, seeded, so both paths give the same tokens."""
+    device = torch.device(device)
+    model, tokenizer = bench_model(spec, device)
+    if tokenizer is None:  # random weights: the embedded model's tokenizer (Qwen2.5's vocabulary) writes the prompts
+        from model import load_model
+        tokenizer = load_model("embedded")[1]
+    prompts = verifier_bench_prompts(tokenizer, problems, rollouts)
+    plan = prefix_plan([list(p) for p in dict.fromkeys(map(tuple, prompts))])
+    total = sum(map(len, prompts))
+    own = sum(len(p) - step.shared for p, step in zip(dict.fromkeys(map(tuple, prompts)), plan))
+    matmul_rate = measure_matmul(device, dtype)
+    print(f"model {spec}, {dtype}, {device}, {torch.get_num_threads()} threads; {len(prompts)} verifier prompts, "
+          f"{total} tokens (mean {total / len(prompts):.0f}), {own} of them after a shared start; "
+          f"matmul rate {matmul_rate / 1e9:.0f} GFLOP/s")
+    options = dict(n=1, temperature=0.6, top_p=0.95, seed=0, dtype=dtype)
+    paths = [(f"old ({baseline_rev})", baseline_sampler(baseline_rev)), ("new", sys.modules[__name__])]
+    results = {}
+    for label, module in paths:
+        prefill_s, _ = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options)
+        total_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=max_new_tokens, **options)
+        results[label] = (prefill_s, total_s, [g[0].token_ids for g in out])
+    (old_label, old), (new_label, new) = results.items()
+    same = old[2] == new[2]
+    generated = sum(map(len, new[2]))
+    print(f"{max_new_tokens} new tokens at most, {generated} generated ({generated / len(prompts):.0f} per rollout); "
+          f"same tokens on both paths: {same}")
+    print(f"{'path':<16} {'':>4} {'prefill s':>9} {'prompt tok/s':>12} {'x matmul rate':>13} {'total s':>8} "
+          f"{'s/rollout':>9}")
+    for label, (prefill_s, total_s, _) in results.items():
+        ran = total if label == old_label else own
+        for clock, i in (("wall", 0), ("cpu", 1)):
+            print(f"{label:<16} {clock:>4} {prefill_s[i]:>9.1f} {total / prefill_s[i]:>12.0f} "
+                  f"{prefill_flop(model, ran) / prefill_s[i] / matmul_rate:>13.2f} {total_s[i]:>8.1f} "
+                  f"{total_s[i] / len(prompts):>9.2f}")
+    print("new / old: " + ", ".join(f"{clock} prefill {new[0][i] / old[0][i]:.2f}, total {new[1][i] / old[1][i]:.2f}"
+                                    for clock, i in (("wall", 0), ("cpu", 1))))
+    print("x matmul rate: the prefill's matrix products on the tokens each path runs, per second, over the rate of "
+          "one large matmul; cpu: this process's CPU seconds (with one thread, what a shared machine's wall clock "
+          "inflates least)")
+
+
+def _timed(fn, *args, **kwargs):
+    """((wall seconds, this process's CPU seconds), fn's result)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn(*args, **kwargs)
+    return (time.perf_counter() - wall, time.process_time() - cpu), out
+
+
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(description="Benchmark the hf and kv sampling backends side by side.")
+    parser = argparse.ArgumentParser(description="Benchmark the hf and kv sampling backends side by side, or (with "
+                                                 "--verifier-prompts) the kv sampler against its old self on the "
+                                                 "verifier's prompts.")
     parser.add_argument("--bench", action="store_true", required=True)
     parser.add_argument("--model-config", default="embedded",
                         help="'embedded' (default), 'qwen2.5-1.5b' (random weights) or a config.json path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--n", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
-                        help="model dtypes to run (bfloat16 adds the dtype=bf16 row on float32 weights)")
+                        help="model dtypes to run (bfloat16 adds the dtype=bf16 row on float32 weights; "
+                             "--verifier-prompts takes the first)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--compile", action="store_true", help="add rows with the kv decode step under torch.compile")
+    parser.add_argument("--verifier-prompts", action="store_true",
+                        help="old (--baseline) against new sampler on one step's verifier prompts")
+    parser.add_argument("--problems", type=int, default=8, help="--verifier-prompts: demo problems")
+    parser.add_argument("--rollouts", type=int, default=4, help="--verifier-prompts: written rollouts per problem")
+    parser.add_argument("--baseline", default=BASELINE_REV, help="--verifier-prompts: git revision of the old path")
     args = parser.parse_args()
-    bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile,
-          [getattr(torch, name) for name in args.dtypes])
+    dtypes = [getattr(torch, name) for name in args.dtypes]
+    if args.verifier_prompts:
+        bench_verifier(args.model_config, args.device, dtypes[0], args.max_new_tokens, args.problems, args.rollouts,
+                       args.baseline)
+    else:
+        bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile, dtypes)
