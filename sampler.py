@@ -903,8 +903,10 @@ def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, base
     paths = [(f"old ({baseline_rev})", baseline_sampler(baseline_rev)), ("new", sys.modules[__name__])]
     results = {}
     for label, module in paths:
-        prefill_s, _ = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options)
-        total_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=max_new_tokens, **options)
+        prefill_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options)
+        total_s = prefill_s
+        if max_new_tokens > 1:
+            total_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=max_new_tokens, **options)
         results[label] = (prefill_s, total_s, [g[0].token_ids for g in out])
     (old_label, old), (new_label, new) = results.items()
     same = old[2] == new[2]
