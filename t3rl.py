@@ -41,6 +41,7 @@ from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from model import ModelLoadError, load_model
 from sampler import generate
 from sandbox import SandboxPool
+from study import collect, report, stratified
 from verifier import model_verifier, verify_batch
 from voting import group_metrics, rewards, weighted_vote
 
@@ -211,6 +212,8 @@ class Config:
     seed: int = opt(0, "seed for sampling, downsampling and initialisation")
     resume: str = opt("", "continue the run in this folder from its last checkpoint")
     eval_only: bool = opt(False, "evaluate the starting policy and stop: the baseline, no training")
+    study: bool = opt(False, "the evidence study (study.py): sample n_votes rollouts for LIMIT level-stratified "
+                      "questions once, verify all, vote at k = 4..n_votes and omega 1, 2, 5, 10, inf; no training")
 
 
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
@@ -234,7 +237,8 @@ def parse_config(argv=None) -> Config:
             kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
             parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
     parser.add_argument("--replay", metavar="RUN_DIR", help="recompute pseudo-labels from a run's saved rollouts for each "
-                        "--omega given (several allowed) and print the ablation table; loads no model")
+                        "--omega given (several allowed) and print the ablation table, or a --study folder's table "
+                        "and PNG; loads no model")
     given = _explicit_options(parser, argv)
     args = parser.parse_args(argv)
     if args.replay:
@@ -465,13 +469,17 @@ def question_batches(records: list[dict], cfg: Config) -> list[list[dict]]:
     return batches[:cfg.max_steps] if cfg.max_steps else batches
 
 
-def build_verifier(cfg: Config, device):
+def build_verifier(cfg: Config, device, frozen_policy=None):
     """The verifier callable (prompts -> completions). 'self' is a frozen copy of the policy's starting weights,
-    loaded from --model (not from a checkpoint), kept in the sampling dtype since it never trains."""
+    loaded from --model (not from a checkpoint), kept in the sampling dtype since it never trains.
+    frozen_policy: (model, tokenizer) of a policy that never trains (--study); 'self' then uses it, no copy."""
     if not cfg.verify or (cfg.eval_only and not cfg.eval_samples):
         return None
     spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
-    vmodel, vtok = load_model(spec, dtype=sample_dtype(cfg))
+    if frozen_policy and cfg.verifier_model == "self":
+        vmodel, vtok = frozen_policy
+    else:
+        vmodel, vtok = load_model(spec, dtype=sample_dtype(cfg))
     vmodel.requires_grad_(False).to(device)
     return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,
                           temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed, backend=cfg.backend)
@@ -541,6 +549,36 @@ def train(cfg: Config) -> Path:
     if acc.is_main_process:
         print(summary(run_dir))
         plot_run(run_dir)
+    return run_dir
+
+
+def study(cfg: Config) -> Path:
+    """--study: k_max = n_votes rollouts per question, sampled and verified once, saved, then study.py's report.
+    Each question has its own sampling seed, so a resumed study samples what an uninterrupted one would."""
+    if not cfg.verify or cfg.verify_budget:
+        raise SystemExit("--study verifies every rollout: drop --no-verify and --verify-budget")
+    run_dir = Path(cfg.resume) if cfg.resume else Path(cfg.out_dir) / (
+        cfg.run_name or f"{cfg.bench}-study-{time.strftime('%Y%m%d-%H%M%S')}")
+    saved = run_dir / "config.json"
+    before = json.loads(saved.read_text()) if saved.is_file() and not cfg.resume else {}
+    changed = sorted(key for key, value in asdict(cfg).items() if key in before and before[key] != value)
+    if changed:
+        raise SystemExit(f"{run_dir} holds a study with other {', '.join(changed)}: pass --resume {run_dir} to "
+                         f"continue it, or another --run-name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({**asdict(cfg), "resume": ""}, indent=2))
+    records = stratified(load_bench(cfg.bench), cfg.limit, cfg.seed)
+    device = torch.device("cuda" if _has_gpu() else "cpu")
+    policy, tokenizer = load_model(cfg.model, dtype=sample_dtype(cfg))  # it never trains: sampling dtype
+    policy.to(device)
+    verifier = build_verifier(cfg, device, frozen_policy=(policy, tokenizer))
+    with SandboxPool() as pool:
+        def sample_and_verify(batch):
+            groups = sample_groups(policy, tokenizer, batch, cfg, cfg.n_votes, cfg.temperature, -1, "study")
+            answers = [[extract_answer(c.text) for c in group] for group in groups]
+            return groups, answers, verify_groups(batch, groups, answers, verifier, pool, cfg)
+        collect(records, run_dir, sample_and_verify, cfg.questions_per_step)
+    print(report(run_dir))
     return run_dir
 
 
@@ -728,11 +766,15 @@ def main(argv=None):
         parser.add_argument("--replay", required=True, metavar="RUN_DIR")
         parser.add_argument("--omega", type=float, nargs="+", default=[1.0, 2.0, 5.0, 10.0, math.inf])
         args = parser.parse_args(argv)
+        if (Path(args.replay) / "study.jsonl").is_file():
+            print(report(Path(args.replay)))
+            return
         if not (Path(args.replay) / "rollouts.jsonl").is_file():
             parser.error(f"--replay {args.replay}: no rollouts.jsonl there; pass a run folder written by t3rl.py")
         print(replay(Path(args.replay), args.omega))
         return
-    train(parse_config(argv))
+    cfg = parse_config(argv)
+    study(cfg) if cfg.study else train(cfg)
 
 
 if __name__ == "__main__":
