@@ -100,12 +100,14 @@ def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: i
     for start in range(0, len(todo), batch_size):
         batch = todo[start:start + batch_size]
         groups, answers, verdicts = sample_and_verify(batch)
-        lines = [json.dumps(question_row(*args), ensure_ascii=False) + "\n" for args in zip(batch, groups, answers, verdicts)]
+        lines = [json.dumps(question_row(*args), ensure_ascii=False) + "\n"
+                 for args in zip(batch, groups, answers, verdicts)]
         with open(run_dir / STUDY_FILE, "a", encoding="utf-8") as fh:
             fh.write("".join(lines))
             fh.flush()
             os.fsync(fh.fileno())
-        print(f"[study] {len(done) + start + len(batch)}/{len(records)} questions sampled and verified", file=sys.stderr)
+        print(f"[study] {len(done) + start + len(batch)}/{len(records)} questions sampled and verified",
+              file=sys.stderr)
     return read_rows(run_dir)
 
 
@@ -127,14 +129,10 @@ def score(rows: list[dict], ks, omegas) -> dict:
     return correct
 
 
-def resample_means(values: np.ndarray, draws: np.ndarray) -> np.ndarray:
-    """values: [questions]; draws: [resamples, questions] question indices -> [resamples] means."""
-    return values[draws].mean(axis=1)
-
-
 def interval(values: np.ndarray, draws: np.ndarray) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the mean of `values` over questions."""
-    lo, hi = np.percentile(resample_means(values, draws), [2.5, 97.5])
+    """95% percentile bootstrap interval of the mean of values ([questions]) over the resamples in draws
+    ([resamples, n] question indices; n = the questions of the row)."""
+    lo, hi = np.percentile(values[draws].mean(axis=1), [2.5, 97.5])
     return float(lo), float(hi)
 
 
@@ -177,7 +175,7 @@ def accuracy_table(correct, draws, ks, omegas, costs) -> list[str]:
     return lines
 
 
-def level_table(rows, correct, ks, omega, seed: int) -> list[str]:
+def level_table(rows, correct, ks, omega, seed: int, resamples: int) -> list[str]:
     """TTRL vs T3RL at `omega` per MATH level and for levels 4-5 together, each k."""
     levels = sorted({r["level"] for r in rows if r["level"] is not None})
     if not levels:
@@ -185,16 +183,16 @@ def level_table(rows, correct, ks, omega, seed: int) -> list[str]:
     groups = [(f"level {lv}", [r["level"] == lv for r in rows]) for lv in levels]
     groups.append(("levels 4-5", [r["level"] in (4, 5) for r in rows]))
     lines = ["", f"by MATH level, TTRL vs T3RL at omega {omega:g} (intervals resample the questions of the row)",
-             f"{'questions':<11}{'n':>4}{'k':>4}{'TTRL':>7}{'T3RL':>7}{'T3RL-TTRL':>11} {'95% CI':<17}{'fixed':>6}{'broke':>6}"]
+             f"{'questions':<11}{'n':>4}{'k':>4}{'TTRL':>7}{'T3RL':>7}{'T3RL-TTRL':>11} {'95% CI':<17}"
+             f"{'fixed':>6}{'broke':>6}"]
     for name, mask in groups:
         idx = np.flatnonzero(mask)
         if not len(idx):
             continue
-        sub = idx[bootstrap_draws(len(idx), seed)]  # [resamples, n] question indices within the group
+        draws = idx[bootstrap_draws(len(idx), seed, resamples)]  # [resamples, n] indices of this row's questions
         for k in ks:
             t3, tt = correct[k, omega], correct[k, 1.0]
-            diff = (t3 - tt)[sub].mean(axis=1)
-            lo, hi = np.percentile(diff, [2.5, 97.5])
+            lo, hi = interval(t3 - tt, draws)
             lines.append(f"{name:<11}{len(idx):>4}{k:>4}{tt[idx].mean():>7.3f}{t3[idx].mean():>7.3f}"
                          f"{(t3 - tt)[idx].mean():>+11.3f} [{lo:+.3f}, {hi:+.3f}]"
                          f"{int(((t3 == 1) & (tt == 0))[idx].sum()):>6}{int(((t3 == 0) & (tt == 1))[idx].sum()):>6}")
@@ -215,6 +213,13 @@ def budget_lines(correct, draws, ks, omegas, costs) -> list[str]:
             lines.append(f"  T3RL@{k} {fmt_omega(w):<6} - TTRL@{top}: {d.mean():+.3f} [{lo:+.3f}, {hi:+.3f}]"
                          f"   tokens {sum(costs[k]):.0f} vs {costs[top][0]:.0f} ({ratio:.2f}x)")
     return lines
+
+
+def pass_line(rows, ks) -> str:
+    """pass@k: some rollout among the first k is right, the ceiling of every vote's label accuracy."""
+    right = [[a is not None and is_equiv(a, r["gold"]) for a in r["answers"]] for r in rows]
+    return "pass@k (the ceiling of any vote): " + ", ".join(
+        f"k={k} {np.mean([any(rs[:k]) for rs in right]):.3f}" for k in ks)
 
 
 def verdict_line(rows) -> str:
@@ -276,11 +281,11 @@ def report(run_dir: Path, resamples: int = RESAMPLES) -> str:
              f"verifier {cfg.get('verifier_model', '?')}")
     per_level = ", ".join(f"level {lv}: {sum(r['level'] == lv for r in rows)}" for lv in levels)
     lines = [title, f"questions per MATH level: {per_level}" if levels else "no MATH levels in this benchmark",
-             verdict_line(rows),
+             verdict_line(rows), pass_line(rows, ks),
              f"label accuracy against the hidden gold; 95% bootstrap intervals over questions ({resamples} resamples, "
              f"seed {seed}); tokens: mean generated per question", ""]
     lines += accuracy_table(correct, draws, ks, OMEGAS, costs)
-    lines += level_table(rows, correct, ks, omega, seed)
+    lines += level_table(rows, correct, ks, omega, seed, resamples)
     lines += budget_lines(correct, draws, ks, OMEGAS, costs)
     text = "\n".join(lines)
     (run_dir / "table.txt").write_text(text + "\n", encoding="utf-8")

@@ -27,7 +27,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -469,17 +469,14 @@ def question_batches(records: list[dict], cfg: Config) -> list[list[dict]]:
     return batches[:cfg.max_steps] if cfg.max_steps else batches
 
 
-def build_verifier(cfg: Config, device, frozen_policy=None):
+def build_verifier(cfg: Config, device, loaded=None):
     """The verifier callable (prompts -> completions). 'self' is a frozen copy of the policy's starting weights,
     loaded from --model (not from a checkpoint), kept in the sampling dtype since it never trains.
-    frozen_policy: (model, tokenizer) of a policy that never trains (--study); 'self' then uses it, no copy."""
+    loaded: the verifier's (model, tokenizer) when already in memory (--study: its policy never trains)."""
     if not cfg.verify or (cfg.eval_only and not cfg.eval_samples):
         return None
     spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
-    if frozen_policy and cfg.verifier_model == "self":
-        vmodel, vtok = frozen_policy
-    else:
-        vmodel, vtok = load_model(spec, dtype=sample_dtype(cfg))
+    vmodel, vtok = loaded or load_model(spec, dtype=sample_dtype(cfg))
     vmodel.requires_grad_(False).to(device)
     return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,
                           temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed, backend=cfg.backend)
@@ -571,11 +568,15 @@ def study(cfg: Config) -> Path:
     device = torch.device("cuda" if _has_gpu() else "cpu")
     policy, tokenizer = load_model(cfg.model, dtype=sample_dtype(cfg))  # it never trains: sampling dtype
     policy.to(device)
-    verifier = build_verifier(cfg, device, frozen_policy=(policy, tokenizer))
+    weights = (policy, tokenizer) if cfg.verifier_model == "self" else load_model(cfg.verifier_model,
+                                                                                  dtype=sample_dtype(cfg))
     with SandboxPool() as pool:
         def sample_and_verify(batch):
             groups = sample_groups(policy, tokenizer, batch, cfg, cfg.n_votes, cfg.temperature, -1, "study")
             answers = [[extract_answer(c.text) for c in group] for group in groups]
+            # the verifier is seeded per batch, so a resumed study draws the programs an uninterrupted one would
+            seeded = replace(cfg, seed=question_seed(cfg, -1, batch[0]["id"], "verify"))
+            verifier = build_verifier(seeded, device, loaded=weights)
             return groups, answers, verify_groups(batch, groups, answers, verifier, pool, cfg)
         collect(records, run_dir, sample_and_verify, cfg.questions_per_step)
     print(report(run_dir))
