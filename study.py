@@ -23,9 +23,7 @@ at the next unfinished question; `--replay` recomputes the table and the PNG fro
 
     python t3rl.py --study --bench math500 --limit 150 --n-votes 64     # sample + verify, then report
     python t3rl.py --replay runs/math500-study-20261130-170000          # report again, no model
-    python study.py runs/math500-study-20261130-170000                  # the same
 """
-import argparse
 import json
 import math
 import os
@@ -35,14 +33,12 @@ from pathlib import Path
 
 import numpy as np
 
-from answers import answer_key, is_equiv, same_answer
 from voting import weighted_vote
 
 KS = (4, 8, 16, 32, 64)
 OMEGAS = (1.0, 2.0, 5.0, 10.0, math.inf)
 RESAMPLES = 2000
 STUDY_FILE = "study.jsonl"
-ANSWER_CLASSES = dict(key=answer_key, same=same_answer)  # vote classes, as t3rl.py's votes group answers
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -118,14 +114,15 @@ def study_ks(k_max: int) -> list[int]:
     return sorted({k for k in KS if k < k_max} | {k_max})
 
 
-def score(rows: list[dict], ks, omegas) -> dict:
-    """c[(k, omega)]: [questions] 0/1 array, 1 when the vote over the first k rollouts at omega equals gold."""
+def score(rows: list[dict], ks, omegas, classes: dict, equiv) -> dict:
+    """c[(k, omega)]: [questions] 0/1 array, 1 when the vote over the first k rollouts at omega equals gold.
+    classes: weighted_vote's key/same (which answers vote together); equiv(answer, gold): grading."""
     correct = {(k, w): np.zeros(len(rows)) for k in ks for w in omegas}
     for q, row in enumerate(rows):
         for k in ks:
             for w in omegas:
-                label = weighted_vote(row["answers"][:k], row["v"][:k], omega=w, **ANSWER_CLASSES)[0]
-                correct[k, w][q] = float(label is not None and is_equiv(label, row["gold"]))
+                label = weighted_vote(row["answers"][:k], row["v"][:k], omega=w, **classes)[0]
+                correct[k, w][q] = float(label is not None and equiv(label, row["gold"]))
     return correct
 
 
@@ -215,17 +212,16 @@ def budget_lines(correct, draws, ks, omegas, costs) -> list[str]:
     return lines
 
 
-def pass_line(rows, ks) -> str:
+def pass_line(right, ks) -> str:
     """pass@k: some rollout among the first k is right, the ceiling of every vote's label accuracy."""
-    right = [[a is not None and is_equiv(a, r["gold"]) for a in r["answers"]] for r in rows]
     return "pass@k (the ceiling of any vote): " + ", ".join(
         f"k={k} {np.mean([any(rs[:k]) for rs in right]):.3f}" for k in ks)
 
 
-def verdict_line(rows) -> str:
+def verdict_line(rows, right) -> str:
     """How the verifier did on all rollouts: verified share, precision, and the status counts."""
     v = [vi for r in rows for vi in r["v"]]
-    right = [a is not None and is_equiv(a, r["gold"]) for r in rows for a in r["answers"]]
+    right = [ok for rs in right for ok in rs]
     verified_right = sum(vi and ok for vi, ok in zip(v, right))
     statuses = {}
     for r in rows:
@@ -264,8 +260,9 @@ def plot(path: Path, correct, draws, ks, omegas, costs, title: str):
     plt.close(fig)
 
 
-def report(run_dir: Path, resamples: int = RESAMPLES) -> str:
-    """Every number of the study from study.jsonl alone: prints nothing, writes table.txt and study.png."""
+def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> str:
+    """Every number of the study from study.jsonl alone (classes, equiv: the benchmark's answer domain, as in
+    score): returns the table, writes it to table.txt and the plot to study.png."""
     rows = read_rows(run_dir)
     if not rows:
         raise SystemExit(f"{run_dir}: no {STUDY_FILE} with finished questions; run `python t3rl.py --study` first")
@@ -273,7 +270,8 @@ def report(run_dir: Path, resamples: int = RESAMPLES) -> str:
     seed, omega = cfg.get("seed", 0), cfg.get("omega", 5.0)
     omega = omega if omega in OMEGAS and omega != 1 else 5.0
     ks = study_ks(min(len(r["answers"]) for r in rows))
-    correct = score(rows, ks, OMEGAS)
+    correct = score(rows, ks, OMEGAS, classes, equiv)
+    right = [[a is not None and equiv(a, r["gold"]) for a in r["answers"]] for r in rows]  # [questions][k_max]
     costs = token_costs(rows, ks)
     draws = bootstrap_draws(len(rows), seed, resamples)
     levels = sorted({r["level"] for r in rows if r["level"] is not None})
@@ -281,7 +279,7 @@ def report(run_dir: Path, resamples: int = RESAMPLES) -> str:
              f"verifier {cfg.get('verifier_model', '?')}")
     per_level = ", ".join(f"level {lv}: {sum(r['level'] == lv for r in rows)}" for lv in levels)
     lines = [title, f"questions per MATH level: {per_level}" if levels else "no MATH levels in this benchmark",
-             verdict_line(rows), pass_line(rows, ks),
+             verdict_line(rows, right), pass_line(right, ks),
              f"label accuracy against the hidden gold; 95% bootstrap intervals over questions ({resamples} resamples, "
              f"seed {seed}); tokens: mean generated per question", ""]
     lines += accuracy_table(correct, draws, ks, OMEGAS, costs)
@@ -292,17 +290,3 @@ def report(run_dir: Path, resamples: int = RESAMPLES) -> str:
     plot(run_dir / "study.png", correct, draws, ks, OMEGAS, costs, title)
     return text
 
-
-def main(argv=None):
-    parser = argparse.ArgumentParser(description="the evidence study's table and PNG, recomputed from a study "
-                                     "folder's study.jsonl without a model (sampling: python t3rl.py --study)")
-    parser.add_argument("study_dir", help="a folder written by python t3rl.py --study")
-    parser.add_argument("--resamples", type=int, default=RESAMPLES, help="bootstrap resamples")
-    args = parser.parse_args(argv)
-    if not (Path(args.study_dir) / STUDY_FILE).is_file():
-        parser.error(f"{args.study_dir}: no {STUDY_FILE} there; pass a folder written by python t3rl.py --study")
-    print(report(Path(args.study_dir), args.resamples))
-
-
-if __name__ == "__main__":
-    main()

@@ -568,18 +568,19 @@ def study(cfg: Config) -> Path:
     device = torch.device("cuda" if _has_gpu() else "cpu")
     policy, tokenizer = load_model(cfg.model, dtype=sample_dtype(cfg))  # it never trains: sampling dtype
     policy.to(device)
+    dom = domain_of(cfg.bench)
     weights = (policy, tokenizer) if cfg.verifier_model == "self" else load_model(cfg.verifier_model,
                                                                                   dtype=sample_dtype(cfg))
     with SandboxPool() as pool:
         def sample_and_verify(batch):
             groups = sample_groups(policy, tokenizer, batch, cfg, cfg.n_votes, cfg.temperature, -1, "study")
-            answers = [[extract_answer(c.text) for c in group] for group in groups]
+            answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(batch, groups)]
             # the verifier is seeded per batch, so a resumed study draws the programs an uninterrupted one would
             seeded = replace(cfg, seed=question_seed(cfg, -1, batch[0]["id"], "verify"))
             verifier = build_verifier(seeded, device, loaded=weights)
             return groups, answers, verify_groups(batch, groups, answers, verifier, pool, cfg)
         collect(records, run_dir, sample_and_verify, cfg.questions_per_step)
-    print(report(run_dir))
+    print(report(run_dir, dom.classes, dom.equiv))
     return run_dir
 
 
@@ -768,7 +769,8 @@ def main(argv=None):
         parser.add_argument("--omega", type=float, nargs="+", default=[1.0, 2.0, 5.0, 10.0, math.inf])
         args = parser.parse_args(argv)
         if (Path(args.replay) / "study.jsonl").is_file():
-            print(report(Path(args.replay)))
+            dom = domain_of(json.loads((Path(args.replay) / "config.json").read_text())["bench"])
+            print(report(Path(args.replay), dom.classes, dom.equiv))
             return
         if not (Path(args.replay) / "rollouts.jsonl").is_file():
             parser.error(f"--replay {args.replay}: no rollouts.jsonl there; pass a run folder written by t3rl.py")
