@@ -28,7 +28,7 @@ import sys
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from model import ModelLoadError, check_hub, check_spec, load_model
 from sampler import generate
 from sandbox import SandboxPool
+from study import collect, report, stratified
 from verifier import model_verifier, verify_batch
 from voting import Vote, group_metrics, weighted_vote
 
@@ -344,6 +345,8 @@ class Config:
     seed: int = option(0, "seed for sampling, downsampling and initialisation", Range(0, 2**32 - 1, high_open=False))
     resume: str = option("", "continue the run in this folder from its last checkpoint")
     eval_only: bool = option(False, "evaluate the starting policy and stop: the baseline, no training")
+    study: bool = option(False, "the evidence study (study.py): sample n_votes rollouts for LIMIT level-stratified "
+                         "questions once, verify all, vote at k = 4..n_votes and omega 1, 2, 5, 10, inf; no training")
 
 
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
@@ -367,7 +370,7 @@ class OptionError(ValueError):
 class Command:
     """What the command line asks for: one mode and its inputs. train and eval run `train` (eval stops after
     the baseline evaluation); replay re-votes a run's saved rollouts for each omega and loads no model."""
-    mode: str                                   # "train" | "eval" | "replay"
+    mode: str                                   # "train" | "eval" | "replay" | "study"
     cfg: Config | None = None                   # train, eval
     replay_dir: Path | None = None              # replay
     omegas: list[float] = field(default_factory=list)
@@ -413,7 +416,7 @@ def parse_command(argv=None) -> Command:
                               "(several only with --replay RUN_DIR)")
         given["omega"] = given["omega"][0]
     cfg = resumed_config(given) if given.get("resume") else new_config(given)
-    return Command("eval" if cfg.eval_only else "train", cfg=cfg)
+    return Command("study" if cfg.study else "eval" if cfg.eval_only else "train", cfg=cfg)
 
 
 def parse_config(argv=None) -> Config:
@@ -503,7 +506,7 @@ def check_config(cfg: Config, source: str = ""):
 
 def free_run_name(cfg: Config) -> str:
     """bench-method-time, with a suffix when that folder already holds a run (two runs started in one second)."""
-    method = "ttrl" if not cfg.verify or cfg.omega == 1 else f"t3rl-w{cfg.omega:g}"
+    method = "study" if cfg.study else "ttrl" if not cfg.verify or cfg.omega == 1 else f"t3rl-w{cfg.omega:g}"
     name = f"{cfg.bench}-{method}-{time.strftime('%Y%m%d-%H%M%S')}"
     suffix = 1
     while run_started(Path(cfg.out_dir) / (name if suffix == 1 else f"{name}-{suffix}")):
@@ -814,13 +817,14 @@ def question_batches(records: list[dict], cfg: Config) -> list[list[dict]]:
     return batches[:cfg.max_steps] if cfg.max_steps else batches
 
 
-def build_verifier(cfg: Config, device):
+def build_verifier(cfg: Config, device, loaded=None):
     """The verifier callable (prompts -> completions). 'self' is a frozen copy of the policy's starting weights,
-    loaded from --model (not from a checkpoint), kept in the sampling dtype since it never trains."""
+    loaded from --model (not from a checkpoint), kept in the sampling dtype since it never trains.
+    loaded: the verifier's (model, tokenizer) when already in memory (--study: its policy never trains)."""
     if not cfg.verify or (cfg.eval_only and not cfg.eval_samples):
         return None
     spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
-    vmodel, vtok = load_model(spec, dtype=sample_dtype(cfg))
+    vmodel, vtok = loaded or load_model(spec, dtype=sample_dtype(cfg))
     vmodel.requires_grad_(False).to(device)
     return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,
                           temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed, backend=cfg.backend)
@@ -913,6 +917,41 @@ def train(cfg: Config) -> Path:
     if acc.is_main_process:
         print(summary(run_dir))
         plot_run(run_dir)
+    return run_dir
+
+
+def study(cfg: Config) -> Path:
+    """--study: k_max = n_votes rollouts per question, sampled and verified once, saved, then study.py's report.
+    Each question has its own sampling seed, so a resumed study samples what an uninterrupted one would."""
+    if not cfg.verify or cfg.verify_budget:
+        raise SystemExit("--study verifies every rollout: drop --no-verify and --verify-budget")
+    run_dir = Path(cfg.resume) if cfg.resume else Path(cfg.out_dir) / (
+        cfg.run_name or f"{cfg.bench}-study-{time.strftime('%Y%m%d-%H%M%S')}")
+    saved = run_dir / "config.json"
+    before = json.loads(saved.read_text()) if saved.is_file() and not cfg.resume else {}
+    changed = sorted(key for key, value in asdict(cfg).items() if key in before and before[key] != value)
+    if changed:
+        raise SystemExit(f"{run_dir} holds a study with other {', '.join(changed)}: pass --resume {run_dir} to "
+                         f"continue it, or another --run-name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({**asdict(cfg), "resume": ""}, indent=2))
+    records = stratified(load_bench(cfg.bench), cfg.limit, cfg.seed)
+    device = torch.device("cuda" if _has_gpu() else "cpu")
+    policy, tokenizer = load_model(cfg.model, dtype=sample_dtype(cfg))  # it never trains: sampling dtype
+    policy.to(device)
+    dom = domain_of(cfg.bench)
+    weights = (policy, tokenizer) if cfg.verifier_model == "self" else load_model(cfg.verifier_model,
+                                                                                  dtype=sample_dtype(cfg))
+    with SandboxPool() as pool:
+        def sample_and_verify(batch):
+            groups = sample_groups(policy, tokenizer, batch, cfg, cfg.n_votes, cfg.temperature, -1, "study")
+            answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(batch, groups)]
+            # the verifier is seeded per batch, so a resumed study draws the programs an uninterrupted one would
+            seeded = replace(cfg, seed=question_seed(cfg, -1, batch[0]["id"], "verify"))
+            verifier = build_verifier(seeded, device, loaded=weights)
+            return groups, answers, verify_groups(batch, groups, answers, verifier, pool, cfg)
+        collect(records, run_dir, sample_and_verify, cfg.questions_per_step)
+    print(report(run_dir, dom.classes, dom.equiv))
     return run_dir
 
 
@@ -1082,7 +1121,11 @@ def plot_run(run_dir: Path):
 
 
 def replay(run_dir: Path, omegas: list[float]) -> str:
-    """Re-vote every saved rollout group with each omega: label accuracy, reward accuracy and flips, no model needed."""
+    """Re-vote every saved rollout group with each omega: label accuracy, reward accuracy and flips, no model
+    needed. A --study folder gets its study report (study.py) instead."""
+    if (run_dir / "study.jsonl").is_file():
+        dom = domain_of(json.loads((run_dir / "config.json").read_text())["bench"])
+        return report(run_dir, dom.classes, dom.equiv)
     for name in ("config.json", "rollouts.jsonl"):
         if not (run_dir / name).is_file():
             raise RunDirError(f"--replay {run_dir}: no {name} there; pass a run folder written by t3rl.py")
@@ -1114,6 +1157,8 @@ def main(argv=None):
         command = parse_command(argv)
         if command.mode == "replay":
             print(replay(command.replay_dir, command.omegas))
+        elif command.mode == "study":
+            study(command.cfg)
         else:  # train, and eval: train stops after the baseline evaluation
             train(command.cfg)
     except (OptionError, DataError, ModelLoadError, RunDirError) as err:

@@ -9,6 +9,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import resource
 import shutil
@@ -31,6 +32,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 import knk
 import model as model_lib
+import study
 import t3rl
 import verifier
 import voting
@@ -1770,7 +1772,7 @@ def tiny_argv(tiny_dir, out_dir, **extra):
 @pytest.fixture()
 def patched(monkeypatch):
     monkeypatch.setattr(t3rl, "extract_answer", fake_answer)
-    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device: scripted_verifier if cfg.verify else None)
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: scripted_verifier if cfg.verify else None)
 
 
 def rows(run_dir, name):
@@ -2564,3 +2566,118 @@ def test_resume_lists_the_bookkeeping_options_it_may_change(finished_run, tmp_pa
     cfg = t3rl.parse_config(["--resume", str(run), "--save-every", "1", "--lr", "0.001"])  # lr as saved: no change
     assert (cfg.save_every, cfg.lr, cfg.n_votes) == (1, 1e-3, 4)
     assert "[t3rl] --resume: --save-every 2 -> 1" in capsys.readouterr().err
+
+
+# =================================================================================================================
+# study.py: the evidence study (verified vote vs majority on the same samples)
+# =================================================================================================================
+
+MATH = t3rl.DOMAINS["math"]
+
+
+def study_row(qid, gold, answers, v, level=None):
+    n = len(answers)
+    return {"id": qid, "gold": gold, "level": level, "subject": None, "answers": answers, "v": v,
+            "status": ["verified" if x else "mismatch" for x in v], "result": [None] * n,
+            "policy_tokens": [10 + i for i in range(n)], "verifier_tokens": [100 + i for i in range(n)],
+            "text": [""] * n, "program": [None] * n}
+
+
+def test_study_votes_on_nested_subsets_and_counts_their_tokens():
+    # q0: at k = 4 a wrong majority (7 x3) beats the one verified gold rollout only with omega >= 5 (fixed);
+    #     the next four rollouts say 5, so at k = 8 even the plain majority is right
+    # q1: at k = 4 a verified wrong rollout outvotes a right majority (broke)
+    rows = [study_row("q0", "5", ["7", "7", "7", "5", "5", "5", "5", "5"], [0, 0, 0, 1, 0, 0, 0, 0]),
+            study_row("q1", "3", ["3", "3", "3", "9", "3", "3", "3", "3"], [0, 0, 0, 1, 0, 0, 0, 0])]
+    c = study.score(rows, [4, 8], study.OMEGAS, MATH.classes, MATH.equiv)
+    assert list(c[4, 1.0]) == [0, 1] and list(c[4, 2.0]) == [0, 1]
+    assert list(c[4, 5.0]) == [1, 0] and list(c[4, math.inf]) == [1, 0]
+    assert list(c[8, 1.0]) == [1, 1] and list(c[8, 5.0]) == [1, 1]
+    assert study.token_costs(rows, [4, 8]) == {4: (46.0, 406.0), 8: (108.0, 828.0)}
+    assert study.study_ks(64) == [4, 8, 16, 32, 64] and study.study_ks(12) == [4, 8, 12]
+    draws = study.bootstrap_draws(2, seed=0)
+    table = "\n".join(study.accuracy_table(c, draws, [4, 8], study.OMEGAS, study.token_costs(rows, [4, 8])))
+    w5 = next(line for line in table.splitlines() if line.split()[:2] == ["4", "w=5"]).split()
+    assert w5[2] == "0.500" and w5[5] == "+0.000" and w5[8:10] == ["1", "1"]  # one flip fixed, one broken
+
+
+def test_study_omega_one_is_the_plain_majority():
+    rng = random.Random(0)
+    rows = [study_row(f"q{i}", str(rng.randint(0, 3)), [str(rng.randint(0, 3)) for _ in range(8)],
+                      [rng.randint(0, 1) for _ in range(8)]) for i in range(40)]
+    deaf = [{**row, "v": [0] * 8} for row in rows]  # verdicts removed: every omega is the plain majority
+    with_verdicts = study.score(rows, [4, 8], study.OMEGAS, MATH.classes, MATH.equiv)
+    without = study.score(deaf, [4, 8], [1.0], MATH.classes, MATH.equiv)
+    for k in (4, 8):
+        assert list(with_verdicts[k, 1.0]) == list(without[k, 1.0])
+    assert any(list(with_verdicts[k, 5.0]) != list(without[k, 1.0]) for k in (4, 8))  # verdicts do matter at 5
+
+
+def test_study_bootstrap_interval_holds_the_estimate_and_is_seeded():
+    values = study.np.array([float(i % 3 == 0) for i in range(60)])
+    draws = study.bootstrap_draws(60, seed=1)
+    lo, hi = study.interval(values, draws)
+    assert lo < values.mean() < hi and hi - lo < 0.5
+    assert study.interval(values, study.bootstrap_draws(60, seed=1)) == (lo, hi)
+    assert study.interval(values, study.bootstrap_draws(60, seed=2)) != (lo, hi)
+    assert study.interval(values * 0 + 1, draws) == (1.0, 1.0)
+
+
+def test_study_questions_are_level_stratified_and_seeded():
+    records = [{"id": str(i), "level": 1 + i % 5 if i < 80 else 5} for i in range(100)]
+    picked = study.stratified(records, 25, seed=0)
+    assert [sum(r["level"] == lv for r in picked) for lv in range(1, 6)] == [5] * 5
+    assert picked == study.stratified(records, 25, seed=0) != study.stratified(records, 25, seed=1)
+    assert study.stratified([{"id": "a"}, {"id": "b"}], 1, seed=0) == [{"id": "a"}]
+
+
+def study_argv(tiny_dir, out_dir, **extra):
+    return tiny_argv(tiny_dir, out_dir, **{"study": True, "n_votes": 8, "max_new_tokens": 6, **extra})
+
+
+def test_study_replay_reproduces_the_table_without_a_model(tiny_dir, tmp_path, monkeypatch, patched, capsys):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.study(t3rl.parse_config(study_argv(tiny_dir, tmp_path / "out")))
+    printed = capsys.readouterr().out
+    lines = rows(run, "study.jsonl")
+    assert [r["id"] for r in lines] == ["q0", "q1", "q2", "q3"] and all(len(r["answers"]) == 8 for r in lines)
+    assert {s for r in lines for s in r["status"]} == {"verified", "mismatch"}  # the scripted verifier ran
+    assert "4 TTRL" in printed and "8 w=inf" in printed and (run / "study.png").stat().st_size > 1000
+    table = (run / "table.txt").read_text()
+    (run / "study.png").unlink()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("replay loaded a model")
+    monkeypatch.setattr(t3rl, "load_model", no_model)
+    monkeypatch.setattr(model_lib, "load_model", no_model)
+    t3rl.main(["--replay", str(run)])
+    assert capsys.readouterr().out == printed == table
+    assert (run / "study.png").stat().st_size > 1000
+
+
+def test_killed_study_resumes_at_the_next_unfinished_question(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    straight = t3rl.study(t3rl.parse_config(study_argv(tiny_dir, tmp_path / "a")))
+
+    real_verify, sampled = t3rl.verify_groups, []
+
+    def killed_in_batch_two(records, *args):
+        sampled.extend(r["id"] for r in records)
+        if len(sampled) > 2:
+            raise KeyboardInterrupt
+        return real_verify(records, *args)
+    monkeypatch.setattr(t3rl, "verify_groups", killed_in_batch_two)
+    with pytest.raises(KeyboardInterrupt):
+        t3rl.study(t3rl.parse_config(study_argv(tiny_dir, tmp_path / "b")))
+    run = tmp_path / "b" / "run"
+    assert [r["id"] for r in rows(run, "study.jsonl")] == ["q0", "q1"]
+    with open(run / "study.jsonl", "a") as fh:
+        fh.write('{"id": "q2", "gold": "6", "answ')  # a line cut short by the kill
+    sampled.clear()
+    with pytest.raises(SystemExit, match="other n_votes"):
+        t3rl.study(t3rl.parse_config(study_argv(tiny_dir, tmp_path / "b", n_votes=4)))
+    resumed = t3rl.study(t3rl.parse_config(["--resume", str(run)]))
+    assert sampled == ["q2", "q3"]
+    assert rows(resumed, "study.jsonl") == rows(straight, "study.jsonl")

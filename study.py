@@ -1,0 +1,292 @@
+"""The evidence study: does T3RL's verified vote pick the right pseudo-label more often than TTRL's majority,
+and at what token cost? Measured on the same samples, without training.
+
+    for each question q (gold g, hidden from every vote):
+        y_1..y_K ~ pi(. | q)                      K = k_max rollouts, sampled once          (t3rl.py --study)
+        a_i = extract(y_i),  v_i = verify(q, y_i)  verified once, every rollout              (t3rl.py --study)
+    then, with no model:
+        for k in 4, 8, 16, 32, 64 (up to K):     the first k rollouts: nested subsets of the same samples
+        for omega in 1, 2, 5, 10, inf:
+            label_{q,k,omega} = weighted_vote(a_1..a_k, v_1..v_k, omega)      omega = 1 is TTRL's majority
+            c_{q,k,omega}     = 1[label ~ g]
+        accuracy(k, omega) = mean_q c_{q,k,omega}
+        95% interval: the 2.5th and 97.5th percentiles of the accuracy over B resamples of the questions with
+        replacement (seeded); the paired difference T3RL - TTRL = mean_q (c_{q,k,omega} - c_{q,k,1}) is resampled
+        with the same question draws, so its interval is the paired one
+        fixed / broke: questions where T3RL's label is right and TTRL's wrong / the other way round
+        tokens(k) = mean_q sum_{i<=k} len(y_i)  (policy)  and  mean_q sum_{i<=k} len(program_i)  (verifier),
+        generated tokens only (the verifier's prompt, problem + rollout, is prefilled, not generated)
+
+A study folder holds config.json, study.jsonl (one line per question: gold, level, every rollout's answer,
+verdict, status, tool result, token counts, text and program), table.txt and study.png. A killed study resumes
+at the next unfinished question; `--replay` recomputes the table and the PNG from study.jsonl, loading no model:
+
+    python t3rl.py --study --bench math500 --limit 150 --n-votes 64     # sample + verify, then report
+    python t3rl.py --replay runs/math500-study-20261130-170000          # report again, no model
+"""
+import json
+import math
+import os
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from voting import weighted_vote
+
+KS = (4, 8, 16, 32, 64)
+OMEGAS = (1.0, 2.0, 5.0, 10.0, math.inf)
+RESAMPLES = 2000
+STUDY_FILE = "study.jsonl"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Questions and rollouts: sampled and verified once, one JSONL line per question
+
+def stratified(records: list[dict], limit: int, seed: int) -> list[dict]:
+    """`limit` questions spread evenly over MATH levels (a seeded shuffle within each level, then one question of
+    each level in turn), so a study stopped early is still balanced. Without levels: the first `limit`."""
+    levels = sorted({r["level"] for r in records if r.get("level") is not None})
+    if not levels:
+        return records[:limit or None]
+    pools = {lv: [r for r in records if r.get("level") == lv] for lv in levels}
+    for lv, pool in pools.items():
+        random.Random(f"{seed}|{lv}").shuffle(pool)
+    order = [pools[lv][i] for i in range(max(map(len, pools.values()))) for lv in levels if i < len(pools[lv])]
+    return order[:limit or None]
+
+
+def question_row(rec: dict, group, answers, verdicts) -> dict:
+    """One question's line: its k_max rollouts (sampler Completions) with answers and verdicts (Verifications)."""
+    return {"id": rec["id"], "gold": rec["answer"], "level": rec.get("level"), "subject": rec.get("subject"),
+            "answers": answers, "v": [res.v for res in verdicts], "status": [res.status for res in verdicts],
+            "result": [res.result for res in verdicts],
+            "policy_tokens": [c.num_tokens for c in group],
+            "verifier_tokens": [res.tokens or 0 for res in verdicts],
+            "text": [c.text for c in group], "program": [res.code for res in verdicts]}
+
+
+def read_rows(run_dir: Path) -> list[dict]:
+    """The finished questions of a study. A last line cut short by a kill is dropped (and cut from the file),
+    so that question is sampled again."""
+    path = run_dir / STUDY_FILE
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    rows = []
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            if lineno < len(lines):
+                raise SystemExit(f"{path}:{lineno}: not a JSON line; fix or delete that line, then run again") from None
+            with open(path, "r+", encoding="utf-8") as fh:
+                fh.truncate(sum(len(s.encode("utf-8")) for s in lines[:-1]))
+    return rows
+
+
+def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: int) -> list[dict]:
+    """Sample and verify every question not yet in study.jsonl, `batch_size` questions per call of
+    sample_and_verify(records) -> (groups, answers, verdicts); each batch's lines are appended when it is done."""
+    done = {row["id"] for row in read_rows(run_dir)}
+    todo = [rec for rec in records if rec["id"] not in done]
+    if done:
+        print(f"[study] {len(done)} of {len(records)} questions already done in {run_dir}; resuming", file=sys.stderr)
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start:start + batch_size]
+        groups, answers, verdicts = sample_and_verify(batch)
+        lines = [json.dumps(question_row(*args), ensure_ascii=False) + "\n"
+                 for args in zip(batch, groups, answers, verdicts)]
+        with open(run_dir / STUDY_FILE, "a", encoding="utf-8") as fh:
+            fh.write("".join(lines))
+            fh.flush()
+            os.fsync(fh.fileno())
+        print(f"[study] {len(done) + start + len(batch)}/{len(records)} questions sampled and verified",
+              file=sys.stderr)
+    return read_rows(run_dir)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Votes at every (k, omega), scored against the gold answers
+
+def study_ks(k_max: int) -> list[int]:
+    return sorted({k for k in KS if k < k_max} | {k_max})
+
+
+def score(rows: list[dict], ks, omegas, classes: dict, equiv) -> dict:
+    """c[(k, omega)]: [questions] 0/1 array, 1 when the vote over the first k rollouts at omega equals gold.
+    classes: weighted_vote's key/same (which answers vote together); equiv(answer, gold): grading."""
+    correct = {(k, w): np.zeros(len(rows)) for k in ks for w in omegas}
+    for q, row in enumerate(rows):
+        for k in ks:
+            for w in omegas:
+                label = weighted_vote(row["answers"][:k], row["v"][:k], omega=w, **classes)[0]
+                correct[k, w][q] = float(label is not None and equiv(label, row["gold"]))
+    return correct
+
+
+def interval(values: np.ndarray, draws: np.ndarray) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean of values ([questions]) over the resamples in draws
+    ([resamples, n] question indices; n = the questions of the row)."""
+    lo, hi = np.percentile(values[draws].mean(axis=1), [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def bootstrap_draws(n_questions: int, seed: int, resamples: int = RESAMPLES) -> np.ndarray:
+    """[resamples, questions] indices, the same draws for every (k, omega), so differences are paired."""
+    return np.random.default_rng(seed).integers(0, n_questions, size=(resamples, n_questions))
+
+
+def token_costs(rows: list[dict], ks) -> dict:
+    """k -> (mean policy tokens, mean verifier tokens) per question for the first k rollouts."""
+    return {k: (float(np.mean([sum(r["policy_tokens"][:k]) for r in rows])),
+                float(np.mean([sum(r["verifier_tokens"][:k]) for r in rows]))) for k in ks}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The report: one table (stdout + table.txt) and one PNG (study.png)
+
+def fmt_omega(w: float) -> str:
+    return "TTRL" if w == 1 else f"w={w:g}"
+
+
+def accuracy_table(correct, draws, ks, omegas, costs) -> list[str]:
+    lines = [f"{'k':>3} {'vote':<6}{'label acc':>10} {'95% CI':<15}{'T3RL-TTRL':>10} {'95% CI':<17}"
+             f"{'fixed':>6}{'broke':>6}{'policy tok':>12}{'verifier tok':>14}"]
+    for k in ks:
+        base = correct[k, 1.0]
+        for w in omegas:
+            c = correct[k, w]
+            lo, hi = interval(c, draws)
+            row = f"{k:>3} {fmt_omega(w):<6}{c.mean():>10.3f} [{lo:.3f}, {hi:.3f}] "
+            policy, verifier = costs[k]
+            if w == 1:
+                row += f"{'':>10} {'':<17}{'':>6}{'':>6}{policy:>12.0f}{0:>14.0f}"
+            else:
+                dlo, dhi = interval(c - base, draws)
+                row += (f"{(c - base).mean():>+10.3f} [{dlo:+.3f}, {dhi:+.3f}]"
+                        f"{int(((c == 1) & (base == 0)).sum()):>6}{int(((c == 0) & (base == 1)).sum()):>6}"
+                        f"{policy:>12.0f}{verifier:>14.0f}")
+            lines.append(row)
+    return lines
+
+
+def level_table(rows, correct, ks, omega, seed: int, resamples: int) -> list[str]:
+    """TTRL vs T3RL at `omega` per MATH level and for levels 4-5 together, each k."""
+    levels = sorted({r["level"] for r in rows if r["level"] is not None})
+    if not levels:
+        return []
+    groups = [(f"level {lv}", [r["level"] == lv for r in rows]) for lv in levels]
+    groups.append(("levels 4-5", [r["level"] in (4, 5) for r in rows]))
+    lines = ["", f"by MATH level, TTRL vs T3RL at omega {omega:g} (intervals resample the questions of the row)",
+             f"{'questions':<11}{'n':>4}{'k':>4}{'TTRL':>7}{'T3RL':>7}{'T3RL-TTRL':>11} {'95% CI':<17}"
+             f"{'fixed':>6}{'broke':>6}"]
+    for name, mask in groups:
+        idx = np.flatnonzero(mask)
+        if not len(idx):
+            continue
+        draws = idx[bootstrap_draws(len(idx), seed, resamples)]  # [resamples, n] indices of this row's questions
+        for k in ks:
+            t3, tt = correct[k, omega], correct[k, 1.0]
+            lo, hi = interval(t3 - tt, draws)
+            lines.append(f"{name:<11}{len(idx):>4}{k:>4}{tt[idx].mean():>7.3f}{t3[idx].mean():>7.3f}"
+                         f"{(t3 - tt)[idx].mean():>+11.3f} [{lo:+.3f}, {hi:+.3f}]"
+                         f"{int(((t3 == 1) & (tt == 0))[idx].sum()):>6}{int(((t3 == 0) & (tt == 1))[idx].sum()):>6}")
+    return lines
+
+
+def budget_lines(correct, draws, ks, omegas, costs) -> list[str]:
+    """T3RL at each smaller k against TTRL at the largest k: the paper's 'T3RL@16 >= TTRL@64 at fewer tokens'."""
+    top = ks[-1]
+    lines = ["", f"T3RL at k against TTRL at k = {top} (paired over questions; tokens = policy + verifier)"]
+    for k in ks[:-1]:
+        for w in omegas:
+            if w == 1:
+                continue
+            d = correct[k, w] - correct[top, 1.0]
+            lo, hi = interval(d, draws)
+            ratio = sum(costs[k]) / costs[top][0]
+            lines.append(f"  T3RL@{k} {fmt_omega(w):<6} - TTRL@{top}: {d.mean():+.3f} [{lo:+.3f}, {hi:+.3f}]"
+                         f"   tokens {sum(costs[k]):.0f} vs {costs[top][0]:.0f} ({ratio:.2f}x)")
+    return lines
+
+
+def pass_line(right, ks) -> str:
+    """pass@k: some rollout among the first k is right, the ceiling of every vote's label accuracy."""
+    return "pass@k (the ceiling of any vote): " + ", ".join(
+        f"k={k} {np.mean([any(rs[:k]) for rs in right]):.3f}" for k in ks)
+
+
+def verdict_line(rows, right) -> str:
+    """How the verifier did on all rollouts: verified share, precision, and the status counts."""
+    v = [vi for r in rows for vi in r["v"]]
+    right = [ok for rs in right for ok in rs]
+    verified_right = sum(vi and ok for vi, ok in zip(v, right))
+    statuses = {}
+    for r in rows:
+        for s in r["status"]:
+            statuses[s] = statuses.get(s, 0) + 1
+    precision = f"{verified_right / sum(v):.3f}" if sum(v) else "-"
+    return (f"rollouts {len(v)}: right {sum(right) / len(v):.3f}, verified {sum(v) / len(v):.3f}, verifier precision "
+            f"{precision}, recall {verified_right / max(1, sum(right)):.3f}; "
+            + ", ".join(f"{s} {n}" for s, n in sorted(statuses.items())))
+
+
+def plot(path: Path, correct, draws, ks, omegas, costs, title: str):
+    """Label accuracy against mean tokens per question: TTRL pays policy tokens, T3RL policy + verifier."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for w in omegas:
+        x = [costs[k][0] + (costs[k][1] if w != 1 else 0) for k in ks]
+        y = [correct[k, w].mean() for k in ks]
+        cis = [interval(correct[k, w], draws) for k in ks]
+        err = [[yi - lo for yi, (lo, _) in zip(y, cis)], [hi - yi for yi, (_, hi) in zip(y, cis)]]
+        label = "TTRL (majority, policy tokens)" if w == 1 else f"T3RL omega={w:g} (policy + verifier tokens)"
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=label, linestyle="-" if w == 1 else "--")
+        if w == 1:
+            for xi, yi, k in zip(x, y, ks):
+                ax.annotate(f"k={k}", (xi, yi), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("generated tokens per question (mean)")
+    ax.set_ylabel("pseudo-label accuracy (95% bootstrap CI)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> str:
+    """Every number of the study from study.jsonl alone (classes, equiv: the benchmark's answer domain, as in
+    score): returns the table, writes it to table.txt and the plot to study.png."""
+    rows = read_rows(run_dir)
+    if not rows:
+        raise SystemExit(f"{run_dir}: no {STUDY_FILE} with finished questions; run `python t3rl.py --study` first")
+    cfg = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").is_file() else {}
+    seed, omega = cfg.get("seed", 0), cfg.get("omega", 5.0)
+    omega = omega if omega in OMEGAS and omega != 1 else 5.0
+    ks = study_ks(min(len(r["answers"]) for r in rows))
+    correct = score(rows, ks, OMEGAS, classes, equiv)
+    right = [[a is not None and equiv(a, r["gold"]) for a in r["answers"]] for r in rows]  # [questions][k_max]
+    costs = token_costs(rows, ks)
+    draws = bootstrap_draws(len(rows), seed, resamples)
+    levels = sorted({r["level"] for r in rows if r["level"] is not None})
+    title = (f"{run_dir.name}: {len(rows)} questions, k up to {ks[-1]}; policy {cfg.get('model', '?')}, "
+             f"verifier {cfg.get('verifier_model', '?')}")
+    per_level = ", ".join(f"level {lv}: {sum(r['level'] == lv for r in rows)}" for lv in levels)
+    lines = [title, f"questions per MATH level: {per_level}" if levels else "no MATH levels in this benchmark",
+             verdict_line(rows, right), pass_line(right, ks),
+             f"label accuracy against the hidden gold; 95% bootstrap intervals over questions ({resamples} resamples, "
+             f"seed {seed}); tokens: mean generated per question", ""]
+    lines += accuracy_table(correct, draws, ks, OMEGAS, costs)
+    lines += level_table(rows, correct, ks, omega, seed, resamples)
+    lines += budget_lines(correct, draws, ks, OMEGAS, costs)
+    text = "\n".join(lines)
+    (run_dir / "table.txt").write_text(text + "\n", encoding="utf-8")
+    plot(run_dir / "study.png", correct, draws, ks, OMEGAS, costs, title)
+    return text
+
