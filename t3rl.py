@@ -173,7 +173,8 @@ class Config:
     bench: str = opt("demo", "benchmark: " + " | ".join(BENCHES))
     limit: int = opt(0, "use only the first LIMIT questions of the benchmark (0 = all)")
     model: str = opt("embedded", "policy: Hub id, local folder, .gguf file, or 'embedded' (offline Qwen2.5-Coder-0.5B-Instruct)")
-    verifier_model: str = opt("self", "verifier LLM: 'self' = frozen copy of the policy's starting weights, or any --model value")
+    verifier_model: str = opt("self", "verifier LLM: 'self' = frozen copy of the policy's starting weights "
+                              "(self-verification), or any --model value (coder-1.5b: the offline paper verifier)")
     preset: str = opt("auto", "auto (cpu without a GPU, paper with one) | paper | cpu | none; explicit options override it")
     # test-time RL
     n_votes: int = opt(64, "N: rollouts sampled per question for the vote")
@@ -217,7 +218,7 @@ class Config:
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 PRESETS = {
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
-    "cpu": dict(bench="demo", n_votes=8, n_train=4, questions_per_step=4, max_steps=6, max_new_tokens=320,
+    "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=4, max_steps=6, max_new_tokens=320,
                 verifier_max_new_tokens=256, lr=2e-6, eval_samples=0, save_every=3, micro_batch_tokens=4096),
     "none": {},
 }
@@ -576,6 +577,7 @@ def rl_step(step, questions, policy, ref_model, tokenizer, optimizer, scheduler,
         correct = [is_correct(a, rec["answer"], dom) for a in ans]
         stats["verified"] = sum(v)
         stats["verified_correct"] = sum(vi and ci for vi, ci in zip(v, correct))
+        stats["correct"] = sum(correct)
         stats["statuses"] = [res.status for res in ver if res is not None]
         stats["verifier_tokens"] = sum(res.tokens or 0 for res in ver if res is not None)
         stats["verifier_calls_saved"] = sum(bool(getattr(res, "inferred", False)) for res in ver if res is not None)
@@ -617,7 +619,12 @@ def step_metrics(step, per_question, updates, seconds) -> dict:
                 "ground_truth_ratio", "verified_ratio", "flipped", "flip_fixed", "flip_broke", "pass@N"):
         row[key] = mean([q[key] for q in per_question])
     verified = sum(q["verified"] for q in per_question)
-    row["verifier_precision"] = sum(q["verified_correct"] for q in per_question) / verified if verified else None
+    # the verifier against the hidden gold answers (reporting only): precision = right share of the verified,
+    # recall = verified share of the right rollouts
+    row["verified_rollouts"], row["correct_rollouts"] = verified, sum(q["correct"] for q in per_question)
+    row["verified_correct"] = sum(q["verified_correct"] for q in per_question)
+    row["verifier_precision"] = row["verified_correct"] / verified if verified else None
+    row["verifier_recall"] = row["verified_correct"] / row["correct_rollouts"] if row["correct_rollouts"] else None
     statuses = [s for q in per_question for s in q["statuses"]]
     row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
     lengths = [n for q in per_question for n in q["response_tokens"]]
@@ -639,7 +646,7 @@ def format_step(row: dict, total: int) -> str:
     return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])} (maj {fmt(row['majority_label_accuracy'])})"
             f" reward {fmt(row['reward_accuracy'])} | maj-ratio {fmt(row['majority_ratio'])}"
             f" gt-ratio {fmt(row['ground_truth_ratio'])} | verified {fmt(row['verified_ratio'])}"
-            f" prec {fmt(row['verifier_precision'])} | flips {row['flipped'] * row['questions']:.0f}"
+            f" prec {fmt(row['verifier_precision'])} rec {fmt(row['verifier_recall'])} | flips {row['flipped'] * row['questions']:.0f}"
             f" (+{row['flip_fixed'] * row['questions']:.0f}/-{row['flip_broke'] * row['questions']:.0f})"
             f" | len {row['response_length']:.0f} ent {fmt(row.get('grpo/entropy'))} loss {row.get('grpo/loss', 0):+.4f}"
             f" | {timing}")
@@ -665,6 +672,10 @@ def summary(run_dir: Path) -> str:
         lines.append(f"{'label acc. T3RL (weighted)':<28}{mean('label_accuracy'):>10.3f}")
         lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
         lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
+        total = lambda key: sum(r.get(key, 0) for r in train_rows)  # noqa: E731
+        for name, hits, of in (("verifier precision", "verified_correct", "verified_rollouts"),
+                               ("verifier recall", "verified_correct", "correct_rollouts")):
+            lines.append(f"{name:<28}" + (f"{total(hits) / total(of):>10.3f}" if total(of) else f"{'-':>10}"))
         lines.append(f"{'flips (fixed / broke)':<28}{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
                      f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
                      f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")

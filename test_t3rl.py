@@ -1352,6 +1352,30 @@ def test_sympy_imaginary_unit_is_read_as_i(verify_pool):
     assert r.status == "verified"
 
 
+@pytest.mark.parametrize("code,answer,status", [
+    ("import sympy\nprint(sympy.sqrt(51))", "\\sqrt{51}", "verified"),
+    ("import sympy\nprint(sympy.sqrt(52))", "\\sqrt{51}", "mismatch"),
+    ("import sympy\nprint(2 * sympy.sqrt(3) / 3)", "\\frac{2\\sqrt{3}}{3}", "verified"),
+    ("import sympy\nprint((3, sympy.pi / 2))", "\\left( 3, \\frac{\\pi}{2} \\right)", "verified"),
+    ("import sympy\nprint((3, sympy.pi / 3))", "\\left( 3, \\frac{\\pi}{2} \\right)", "mismatch"),
+    ("import sympy\nx = sympy.symbols('x')\nprint(sympy.expand((x + 1) ** 2))", "x^2+2x+1", "verified"),
+    ("import sympy\nx = sympy.symbols('x')\nprint(sympy.expand((x + 1) ** 3))", "x^2+2x+1", "mismatch"),
+    ("n = 4 + 5\nprint(f'The answer is {n}.')", "9", "verified"),
+    ("n = 4 + 6\nprint(f'The answer is {n}.')", "9", "mismatch"),
+])
+def test_sympy_and_labelled_results_are_read_as_their_value(verify_pool, code, answer, status):
+    """sympy prints sqrt(51), (3, pi/2), x**2 + 2*x + 1: compared through sympy's own LaTeX of them."""
+    assert verify_one(block(code), answer, verify_pool).status == status
+
+
+def test_printed_text_is_turned_into_latex_inside_the_sandbox(verify_pool, tmp_path):
+    """sympify evaluates text; a program can print code, so the LaTeX spelling runs in the sandbox, too."""
+    target = tmp_path / "written-by-sympify"
+    text = f"__import__('pathlib').Path('{target}').touch()"
+    r = verify_one(block(f"print({text[:10]!r} + {text[10:]!r})"), "1", verify_pool)
+    assert (r.status, r.result) == ("mismatch", text) and not target.exists()
+
+
 def test_completion_without_code_is_no_code(verify_pool):
     r = verify_one("The candidate is right, the answer is 55.", "55", verify_pool)
     assert (r.v, r.status, r.code) == (0, "no_code", None)
@@ -1544,7 +1568,7 @@ def write_bench(folder: Path, questions):
 
 
 def tiny_argv(tiny_dir, out_dir, **extra):
-    options = dict(preset="cpu", model=str(tiny_dir), bench="demo", n_votes=4, n_train=2, questions_per_step=2,
+    options = dict(preset="cpu", model=str(tiny_dir), verifier_model="self", bench="demo", n_votes=4, n_train=2, questions_per_step=2,
                    max_steps=4, max_new_tokens=12, verifier_max_new_tokens=8, lr=1e-3, save_every=2,
                    eval_samples=2, out_dir=str(out_dir), run_name="run", backend="kv", sample_dtype="bfloat16",
                    bf16=False, grad_checkpointing=False)
@@ -1585,7 +1609,22 @@ def test_unknown_option_is_rejected(capsys):
 def test_cpu_preset_is_picked_without_gpu_and_explicit_options_win():
     cfg = t3rl.parse_config(["--n-votes", "16"])
     assert cfg.preset == "cpu" and cfg.model == "embedded" and cfg.bench == "demo"
+    assert cfg.verifier_model == "coder-1.5b"
     assert cfg.n_votes == 16 and cfg.n_train == t3rl.PRESETS["cpu"]["n_train"]
+
+
+@pytest.mark.parametrize("argv,loaded", [([], ["coder-1.5b"]), (["--verifier-model", "self"], ["embedded"])])
+def test_cpu_preset_verifies_with_the_1_5b_and_self_verification_loads_the_policy(monkeypatch, argv, loaded):
+    seen = []
+
+    def load_model(spec, dtype=None):
+        seen.append(spec)
+        return make_tiny_model(64), None
+    monkeypatch.setattr(t3rl, "load_model", load_model)
+    monkeypatch.setattr(t3rl, "model_verifier", lambda model, tok, **kw: ("verifier", model, kw["max_new_tokens"]))
+    cfg = t3rl.parse_config(argv)
+    verifier = t3rl.build_verifier(cfg, torch.device("cpu"))
+    assert seen == loaded and verifier[0] == "verifier" and verifier[2] == cfg.verifier_max_new_tokens
 
 
 def test_paper_preset_follows_the_paper():
@@ -1661,6 +1700,31 @@ def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tm
     assert {r["status"] for r in rollouts} <= {"verified", "mismatch"}
     assert all((r["status"] == "verified") == (r["answer"] == "2") for r in rollouts)
     assert (run / "checkpoint" / "state.pt").is_file() and (run / "curves.png").stat().st_size > 1000
+
+
+def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir, tmp_path, monkeypatch, patched):
+    golds = ["0", "1", "2", "2"]  # fake answers are 0, 1 or 2, and the scripted verifier verifies only "2"
+    write_bench(tmp_path / "data", [(p, g) for (p, _), g in zip(QUESTIONS, golds)])
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    gold = {f"q{i}": g for i, g in enumerate(golds)}
+    train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
+    pooled = {"verified": 0, "right": 0, "both": 0}
+    for m in train_rows:
+        step = [r for r in rows(run, "rollouts.jsonl") if r["step"] == m["step"]]
+        verified = [r for r in step if r["v"]]
+        right = [r for r in step if r["answer"] == gold[r["id"]]]
+        both = [r for r in verified if r["answer"] == gold[r["id"]]]
+        assert m["verifier_precision"] == (len(both) / len(verified) if verified else None)
+        assert m["verifier_recall"] == (len(both) / len(right) if right else None)
+        pooled = {"verified": pooled["verified"] + len(verified), "right": pooled["right"] + len(right),
+                  "both": pooled["both"] + len(both)}
+        recall = "-" if m["verifier_recall"] is None else f"{m['verifier_recall']:.2f}"
+        assert f" rec {recall} |" in t3rl.format_step(m, 2)
+    assert 0 < pooled["both"] < pooled["right"] and pooled["both"] < pooled["verified"]  # neither score is trivial
+    table = t3rl.summary(run)
+    assert f"verifier precision{pooled['both'] / pooled['verified']:>20.3f}" in table
+    assert f"verifier recall{pooled['both'] / pooled['right']:>23.3f}" in table
 
 
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):

@@ -198,10 +198,27 @@ class ToolRun:
     seconds: float       # time the program ran
 
 
+class PrintedResult(str):
+    """A program's last printed line that also carries sympy's LaTeX of it (None: no such spelling)."""
+    def __new__(cls, text, latex=None):
+        self = super().__new__(cls, text)
+        self.latex = latex
+        return self
+
+
+# sympy prints sqrt(3)/3, 2*x + 1 and (3, pi/2), which the answer side's LaTeX parser reads poorly; sympy
+# itself turns them into LaTeX. sympify evaluates its text, and a program's output is untrusted, so this
+# runs in the sandbox too.
+_PYTHON_EXPRESSION = re.compile(r"[A-Za-z*(\[{]")
+_LATEX_SNIPPET = "import sympy\nprint(sympy.latex(sympy.sympify({text!r})))"
+
+
 def python_tool(codes, sandbox=None):
     """Run every program in the sandbox (one run_many call; None: sandbox.default_pool()), never in this
-    process. Hard-coded programs run too, so that what they print can be read."""
-    runs = (sandbox or default_pool()).run_many(codes) if codes else []
+    process, then spell the results that are Python expressions in LaTeX (a second run_many of one-line
+    sympy snippets). Hard-coded programs run too, so that what they print can be read."""
+    sandbox = sandbox or default_pool()
+    runs = sandbox.run_many(codes) if codes else []
     tool_runs = []
     for code, run in zip(codes, runs):
         lines = [line.strip() for line in run.stdout.splitlines() if line.strip()]
@@ -209,7 +226,17 @@ def python_tool(codes, sandbox=None):
                   "timeout" if run.status == "timeout" else "error")
         output = run.stdout + (("\n" if run.stdout and run.stderr else "") + run.stderr)
         tool_runs.append(ToolRun(status, lines[-1] if lines else None, output, run.duration))
+    spell = [t for t in tool_runs if t.status == "ok" and t.result and _PYTHON_EXPRESSION.search(t.result)]
+    if spell:
+        for t, run in zip(spell, sandbox.run_many([_LATEX_SNIPPET.format(text=_value_text(t.result)) for t in spell])):
+            t.result = PrintedResult(t.result, run.stdout.strip() if run.status == "ok" and run.stdout.strip() else None)
     return tool_runs
+
+
+def _value_text(result):
+    """The value in a printed line: 'The answer is 9.' -> '9', 'Result: 14/3' -> '14/3'; else the line."""
+    m = re.fullmatch(r"[A-Za-z][A-Za-z ,'()-]*?(?:\bis|:|=)\s*(.+?)\.?", result)
+    return m.group(1) if m else result
 
 
 def _python_spelling(result):
@@ -223,12 +250,16 @@ def _python_spelling(result):
 
 
 def tool_agrees(result, answer):
-    """t_i equivalent to a_i. A float printed at machine precision (1/3 -> 0.3333333333333333) is a computed
+    """t_i equivalent to a_i, as printed, as sympy's LaTeX of it (PrintedResult.latex), or as the value after
+    a label ('The answer is 9'). A float printed at machine precision (1/3 -> 0.3333333333333333) is a computed
     double: it matches a rational answer within relative 1e-9; shorter decimals compare exactly (0.33 != 1/3)."""
     if result is None:
         return False
-    if is_equiv(result, answer):
+    latex = getattr(result, "latex", None)
+    if is_equiv(result, answer) or (latex is not None and is_equiv(latex, answer)):
         return True
+    if _value_text(result) != result:
+        return tool_agrees(_value_text(result), answer)
     spelled = _python_spelling(result)
     if spelled != result and is_equiv(spelled, answer):
         return True
@@ -500,36 +531,58 @@ def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None,
 
 
 # ----------------------------------------------------------------------------------------------------
-# python verifier.py --measure / --demo: the embedded 0.5B model as verifier
+# python verifier.py --measure / --demo: the offline verifiers side by side on the same rollouts
 
 SOLUTION = ("Working through the problem step by step, the computation gives {answer}.\n\n"
             "The final answer is $\\boxed{{{answer}}}$.")
 DATA_DIR = os.environ.get("T3RL_DATA_DIR", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "data"))
+MEASURED = ("coder-0.5b", "coder-1.5b")  # self-verification of the cpu policy, and the paper's verifier model
 
 
-def easy_math500(count, path=os.path.join(DATA_DIR, "math500.jsonl")):
-    """The first `count` MATH-500 problems of levels 1-3, in file order."""
+def math500_by_level(count, path=os.path.join(DATA_DIR, "math500.jsonl")):
+    """`count` MATH-500 problems spread evenly over levels 1-5 (the first ones of each level in file order)."""
     if not os.path.isfile(path):
         raise SystemExit(f"{path}: not found; set T3RL_DATA_DIR to the folder holding math500.jsonl")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
-    return [r for r in rows if int(r["level"]) <= 3][:count]
+    per_level = -(-count // 5)
+    return [r for level in range(1, 6) for r in [r for r in rows if int(r["level"]) == level][:per_level]]
 
 
 def wrong_answer(problem, gold):
-    """A plausible wrong answer: gold + 1 when gold is a number, else the first number in the problem
-    that is not gold."""
+    """A plausible wrong answer: gold + 1 when gold is a number; else gold with its last digit changed
+    (\\frac{\\sqrt{3}}{2} -> \\frac{\\sqrt{3}}{3}, same form); else the first number in the problem that is not gold."""
     try:
         return _fraction_str(Fraction(answer_key(gold)) + 1)
     except (ValueError, ZeroDivisionError):
         pass
+    digits = list(re.finditer(r"\d", gold))
+    if digits:
+        d = digits[-1]
+        bumped = gold[:d.start()] + str((int(d.group()) + 1) % 10) + gold[d.end():]
+        if not same_answer(bumped, gold):
+            return bumped
     return next((n for n in re.findall(r"\d+", problem) if not same_answer(n, gold)), "0")
 
 
-def _embedded_verifier(max_new_tokens, seed):
+def offline_verifier(name, max_new_tokens, seed):
+    """A model_verifier around a --model value, loaded in bfloat16 (as the loop loads its verifier)."""
+    import torch
     from model import load_model
-    model, tokenizer = load_model("embedded")
-    return model_verifier(model, tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+    model, tokenizer = load_model(name, dtype=torch.bfloat16)
+    return model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+
+
+def verifier_scores(results, kinds):
+    """Recall (verified share of correct answers), false-verify rate (of wrong ones), precision (right share
+    of the verified) and the status counts per kind of answer."""
+    verified = {kind: sum(r.v for r, k in zip(results, kinds) if k == kind) for kind in ("correct", "wrong")}
+    total = {kind: kinds.count(kind) for kind in ("correct", "wrong")}
+    status = {kind: {s: sum(r.status == s for r, k in zip(results, kinds) if k == kind) for s in STATUSES_VERIFY}
+              for kind in ("correct", "wrong")}
+    both = verified["correct"] + verified["wrong"]
+    return dict(recall=verified["correct"] / total["correct"], false_verify=verified["wrong"] / total["wrong"],
+                precision=verified["correct"] / both if both else None, status=status)
 
 
 def knk_puzzles(count, path=knk.KNK_PATH):
@@ -543,42 +596,83 @@ def knk_puzzles(count, path=knk.KNK_PATH):
     return rows
 
 
-def measure(count, max_new_tokens, seed, bench="math500"):
-    """Verify a correct and a wrong short solution per problem; print verified shares and costs."""
-    records = knk_puzzles(count) if bench == "knk" else easy_math500(count)
-    problems, rollouts, answers, kinds = [], [], [], []
-    for r in records:
+def measure_rollouts(count, bench="math500"):
+    """A correct and a wrong short solution per problem: (problems, rollouts, answers, kinds, levels)."""
+    columns = ([], [], [], [], [])
+    for r in knk_puzzles(count) if bench == "knk" else math500_by_level(count):
         wrong = r["wrong"] if bench == "knk" else wrong_answer(r["problem"], r["answer"])
         for kind, answer in (("correct", r["answer"]), ("wrong", wrong)):
-            problems.append(r["problem"])
-            rollouts.append(SOLUTION.format(answer=answer))
-            answers.append(answer)
-            kinds.append(kind)
-    verifier = _embedded_verifier(max_new_tokens, seed)
-    what = "knk puzzles (wrong: one person flipped)" if bench == "knk" else "MATH-500 problems of levels 1-3"
-    print(f"verifying {len(rollouts)} rollouts ({len(records)} {what}, a correct and a wrong answer each) with the "
-          f"embedded model, one batched call of up to {max_new_tokens} new tokens ...")
-    start = time.perf_counter()
-    results = verify_batch(problems, rollouts, answers, verifier, domain="knk" if bench == "knk" else "math")
-    wall = time.perf_counter() - start
-    print(f"\n{'answers':<9}{'rollouts':>9}{'verified':>10}   " + "".join(f"{s:>11}" for s in STATUSES_VERIFY[1:]))
-    for kind in ("correct", "wrong"):
-        mine = [r for r, k in zip(results, kinds) if k == kind]
-        counts = [sum(r.status == s for r in mine) for s in STATUSES_VERIFY[1:]]
-        share = sum(r.v for r in mine) / len(mine)
-        print(f"{kind:<9}{len(mine):>9}{share:>9.0%}   " + "".join(f"{c:>11}" for c in counts))
-    tokens = [r.tokens for r in results]
-    print(f"\nverifier: {sum(tokens) / len(tokens):.0f} tokens and {results[0].seconds:.1f} s per rollout "
-          f"(batch wall time / rollouts); sandbox: {1000 * sum(r.tool_seconds for r in results) / len(results):.0f} ms "
-          f"per program; whole batch {wall:.0f} s")
+            for column, value in zip(columns, (r["problem"], SOLUTION.format(answer=answer), answer, kind,
+                                               int(r["level"]))):
+                column.append(value)
+    return columns
 
 
-def demo(max_new_tokens, seed):
+def logged_verifier(log_path, name):
+    """A verifier that replays verifier `name`'s completions from a --measure log, in their order, so new
+    program handling can be scored on the same generations without sampling again."""
+    with open(log_path) as f:
+        rows = [row for row in map(json.loads, f) if row["verifier"] == name]
+    if not rows:
+        raise SystemExit(f"--rescore {log_path}: no completions of verifier {name} in it")
+    replay = lambda messages: [VerifierText(row["completion"], row["tokens"]) for row in rows]  # noqa: E731
+    return replay, sum(row.get("seconds", 0.0) for row in rows) / len(rows)
+
+
+def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500", log_path="runs/verifier-measure.jsonl",
+            rescore=None):
+    """Verify a correct and a wrong short solution per problem with each verifier in `names`, on the same
+    rollouts; print recall, false-verify rate, precision, status counts and costs, and log every program.
+    bench: math500 (levels 1-5, Python programs) or knk (puzzles, SMT-LIB2 scripts for z3). rescore: a log
+    of an earlier run, whose completions are scored again instead of sampling new ones."""
+    problems, rollouts, answers, kinds, levels = measure_rollouts(count, bench)
+    what = "knk puzzles (wrong: one person flipped)" if bench == "knk" else "MATH-500 problems of levels 1-5"
+    print(f"{len(rollouts)} rollouts: {len(rollouts) // 2} {what}, a correct and a wrong answer each; " +
+          (f"completions replayed from {rescore}" if rescore else f"up to {max_new_tokens} verifier tokens, seed {seed}"))
+    rows = []
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    for name in names:
+        verifier, seconds = logged_verifier(rescore, name) if rescore else (
+            offline_verifier(name, max_new_tokens, seed), None)
+        start = time.perf_counter()
+        results = verify_batch(problems, rollouts, answers, verifier, domain="knk" if bench == "knk" else "math")
+        wall = time.perf_counter() - start
+        del verifier
+        by_level = {level: sum(r.v for r, k, lv in zip(results, kinds, levels) if k == "correct" and lv == level) /
+                    sum(k == "correct" and lv == level for k, lv in zip(kinds, levels)) for level in sorted(set(levels))}
+        rows.append((name, verifier_scores(results, kinds), by_level, sum(r.tokens for r in results) / len(results),
+                     seconds if rescore else wall / len(results)))
+        with open(log_path, "a") as f:
+            for i, r in enumerate(results):
+                f.write(json.dumps(dict(verifier=name, kind=kinds[i], level=levels[i], problem=problems[i],
+                                        answer=answers[i], status=r.status, result=r.result, tokens=r.tokens,
+                                        seconds=rows[-1][4], completion=r.completion, output=r.output[-2000:])) + "\n")
+        print(f"{name}: {wall:.0f} s for {len(results)} rollouts", flush=True)
+    print_measure(rows)
+    print(f"\nevery completion, program output and status: {log_path}")
+
+
+def print_measure(rows):
+    """The --measure tables: status counts per verifier and kind of answer, then scores and costs."""
+    shown = [s for s in STATUSES_VERIFY if s != "no_answer"]
+    print(f"\n{'verifier':<12}{'answers':<9}" + "".join(f"{s:>11}" for s in shown))
+    for name, scores, *_ in rows:
+        for kind in ("correct", "wrong"):
+            print(f"{name:<12}{kind:<9}" + "".join(f"{scores['status'][kind][s]:>11}" for s in shown))
+    print(f"\n{'verifier':<12}{'recall':>8}{'false-verify':>14}{'precision':>11}{'tokens/rollout':>16}{'s/rollout':>11}"
+          f"   recall by level " + "-".join(map(str, rows[0][2])))
+    for name, scores, by_level, tokens, seconds in rows:
+        precision = "-" if scores["precision"] is None else f"{scores['precision']:.0%}"
+        print(f"{name:<12}{scores['recall']:>8.0%}{scores['false_verify']:>14.0%}{precision:>11}{tokens:>16.0f}"
+              f"{seconds:>11.1f}   " + " ".join(f"{x:.0%}" for x in by_level.values()))
+
+
+def demo(name, max_new_tokens, seed):
     """One problem, its rollout, the verifier's program, the sandbox output and the verdict."""
-    record = easy_math500(1)[0]
+    record = math500_by_level(5)[0]
     rollout = SOLUTION.format(answer=record["answer"])
     result = verify_batch([record["problem"]], [rollout], [extract_answer(rollout)],
-                          _embedded_verifier(max_new_tokens, seed))[0]
+                          offline_verifier(name, max_new_tokens, seed))[0]
     for title, text in (("problem", record["problem"]), ("rollout", rollout), ("program", result.code or
                         result.completion), ("sandbox output", result.output)):
         print(f"--- {title}\n{(text or '').strip()}\n")
@@ -590,17 +684,23 @@ if __name__ == "__main__":
     import argparse
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--measure", action="store_true",
-                        help="verify correct and wrong answers to MATH-500 problems with the embedded model")
-    parser.add_argument("--demo", action="store_true", help="verify one rollout with the embedded model, step by step")
-    parser.add_argument("--problems", type=int, default=30, help="--measure: number of problems (default 30)")
+                        help="verify correct and wrong answers to MATH-500 problems with each --verifiers model")
+    parser.add_argument("--demo", action="store_true", help="verify one rollout with the first --verifiers model")
+    parser.add_argument("--verifiers", nargs="+", default=list(MEASURED),
+                        help=f"verifier models, any --model value (default: {' '.join(MEASURED)})")
+    parser.add_argument("--problems", type=int, default=60, help="--measure: number of problems, spread over levels 1-5")
     parser.add_argument("--bench", choices=["math500", "knk"], default="math500",
                         help="--measure: MATH-500 (Python programs) or knk puzzles (SMT-LIB2 scripts for z3)")
-    parser.add_argument("--max-new-tokens", type=int, default=1024, help="verifier generation limit (default 1024)")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="verifier generation limit (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the verifier (default 0)")
+    parser.add_argument("--rescore", metavar="LOG", help="--measure: score the completions logged by an earlier "
+                        "run again (after a change to program handling) instead of sampling")
     args = parser.parse_args()
     if args.measure:
-        measure(args.problems, args.max_new_tokens, args.seed, args.bench)
+        measure(args.problems, args.max_new_tokens, args.seed, args.verifiers, bench=args.bench,
+                log_path="runs/verifier-rescore.jsonl" if args.rescore else "runs/verifier-measure.jsonl",
+                rescore=args.rescore)
     elif args.demo:
-        demo(args.max_new_tokens, args.seed)
+        demo(args.verifiers[0], args.max_new_tokens, args.seed)
     else:
         parser.print_help()
