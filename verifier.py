@@ -8,8 +8,11 @@ fractions only; print only the result), the sandbox runs it, and
     t_i = last non-empty line the program prints
     v_i = 1[ the program ran cleanly  and  its printed value is computed  and  t_i ~ a_i ]
 
-where ~ is is_equiv (plus: Python spellings x**2, pi, I, [1, 2] are read as x^2, \pi, i, 1, 2; a float
-printed at machine precision matches a rational answer within relative 1e-9). Every rollout gets one status:
+where ~ is is_equiv, applied to t_i as printed and to sympy's LaTeX of it (sqrt(3)/3, (3, pi/2) and
+x**2 + 2*x are what sympy prints; the LaTeX is computed in the sandbox, since sympify evaluates text), to the
+value after a label ('The answer is 9'), and with Python spellings x**2, pi, I, [1, 2] read as x^2, \pi, i,
+1, 2; a float printed at machine precision matches a rational answer within relative 1e-9. Every rollout
+gets one status:
 
     verified    v_i = 1                          no_answer   a_i is None: no verifier call spent
     mismatch    ran, printed something else      no_code     the completion holds no code block
@@ -39,9 +42,10 @@ rollouts sent), and the program's run time.
 
 Answer checking (extract_answer, answer_key, is_equiv, same_answer) lives in answers.py.
 
-`python verifier.py --measure` verifies correct
-and wrong answers to 30 MATH-500 problems (`--bench knk`: 30 puzzles, wrong = one person flipped) with the
-embedded 0.5B model as verifier; `--demo` shows one verification step by step.
+`python verifier.py --measure` verifies a correct and a wrong answer to each of 60 MATH-500 problems
+(levels 1-5; `--bench knk`: puzzles, wrong = one person flipped) with both offline verifiers, coder-0.5b (the
+cpu policy verifying itself) and coder-1.5b (the paper's verifier model), and prints recall, false-verify
+rate, precision, statuses and costs; `--demo` shows one verification step by step.
 """
 
 import ast
