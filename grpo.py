@@ -21,12 +21,18 @@ with B responses in the batch, |o_i| their lengths and AGG one of
     seq-mean-token-sum-norm    sum_it l_it / (B * L_max)         (Dr. GRPO, L_max = max new tokens)
 
 The KL term is the k3 estimator (always >= 0); the paper uses beta = 0, so by default there is no
-reference model. With one update per batch pi_old is the current policy (rho = 1, the clip never
-binds) and the gradient is the plain policy gradient -AGG A_i grad log pi_theta(o_it).
+reference model. pi is the distribution the rollouts were drawn from: softmax(logits / T) at the
+sampling temperature T (as verl computes it), so rho and the gradient belong to the policy that sampled.
 
-Exact: a batch is processed in micro-batches that fit a token budget, and micro-batch k's loss is
+Mini-batches (TTRL's ppo_mini_batch_size): a step's groups are cut, in order, into mini-batches of Q
+groups, and each takes one optimizer step on its own L. pi_old's log-probs are computed once, before
+the first mini-batch; in the first, pi_theta = pi_old (rho = 1, the clip never binds, the gradient is
+the plain policy gradient -AGG A_i grad log pi_theta(o_it)); from the second on the policy has moved
+and the clip binds. TTRL: Q = 1 question (its M = 32 rollouts), so a step of 8 questions is 8 AdamW steps.
+
+Exact: a mini-batch is processed in micro-batches that fit a token budget, and micro-batch k's loss is
 weighted by its share of L's normaliser (its valid tokens for token-mean, its sequences otherwise),
-summed over all processes under DDP, so the accumulated gradient is the full batch's gradient.
+summed over all processes under DDP, so the accumulated gradient is the full mini-batch's gradient.
 
 Memory-lean: with a 152k vocabulary the logits dominate memory ([8, 512, 152k] is 2.5 GB in bfloat16,
 5 GB per float32 copy). token_logprobs never builds them: it takes the final hidden states, applies the
@@ -37,13 +43,15 @@ resolution near 1 (2^-8), so updates applied to bfloat16 weights would round awa
 
     optimizer = make_optimizer(model, lr=5e-7)
     scheduler = cosine_schedule(optimizer, total_steps=100, warmup_steps=0)
-    metrics = grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_size=8)
+    metrics = grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_size=8,
+                        mini_batch_groups=1, temperature=0.6)
 
 `python grpo.py --bench` times one update of the embedded 0.5B model (see bench below).
 """
 import math
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -90,7 +98,7 @@ def _check_aggregation(agg: str, norm_len: int | None):
         raise ValueError(f"agg={agg!r} needs norm_len > 0 (the max new tokens of the rollouts), got {norm_len!r}")
 
 
-def policy_loss(logp, old_logp, advantages, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
+def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, agg="token-mean",
                 ref_logp=None, kl_coef=0.0, norm_len=None):
     """The clipped GRPO loss L (see top) and its statistics.
 
@@ -193,10 +201,12 @@ class HeadLogprobs(torch.autograd.Function):
         return None if grad_hidden is None else grad_hidden.to(hidden.dtype), grad_weight, None, None, None
 
 
-def token_logprobs(model, input_ids, attention_mask, response_mask, chunk_rows: int = 256):
-    """(logp, entropy), each [B, T] float32: log pi(x_t | x_<t) and the entropy of pi(. | x_<t) at the
-    positions where response_mask [B, T] is set, 0 elsewhere. One forward of the model body; the output
-    head runs on chunks of chunk_rows response rows, so no [B, T, vocab] tensor is ever built."""
+def token_logprobs(model, input_ids, attention_mask, response_mask, temperature: float = 1.0,
+                   chunk_rows: int = 256):
+    """(logp, entropy), each [B, T] float32: log pi_T(x_t | x_<t) and the entropy of pi_T(. | x_<t) at the
+    positions where response_mask [B, T] is set, 0 elsewhere, where pi_T = softmax(logits / temperature) is
+    the distribution the sampler draws from at that temperature (before top-p). One forward of the model
+    body; the output head runs on chunks of chunk_rows response rows, so no [B, T, vocab] tensor is ever built."""
     response = response_mask.bool()                                              # [B, T]
     if response[:, 0].any():
         raise ValueError("response_mask: the first position has no context to predict it from; "
@@ -209,9 +219,12 @@ def token_logprobs(model, input_ids, attention_mask, response_mask, chunk_rows: 
                 output_hidden_states=-1, use_cache=False)
     hidden = out.hidden_states[-1]                                               # [B, T, H], after the final norm
     rows = response[:, 1:]                                                       # [B, T-1]: position t-1 predicts t
+    hidden = hidden[:, :-1][rows]                                                # [N, H]
+    if temperature != 1:  # logits / T = (hidden / T) @ W^T: scaling the N hidden rows is the cheaper side
+        hidden = hidden / temperature
     device = input_ids.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.weight.dtype
-    logp_rows, entropy_rows = HeadLogprobs.apply(hidden[:, :-1][rows], head.weight, input_ids[:, 1:][rows],
+    logp_rows, entropy_rows = HeadLogprobs.apply(hidden, head.weight, input_ids[:, 1:][rows],
                                                  chunk_rows, dtype)             # [N], [N]
     zeros = torch.zeros(response.shape, dtype=torch.float32, device=input_ids.device)
     # masked_scatter fills row-major, the same order boolean indexing read the rows in
@@ -293,120 +306,190 @@ def bf16_supported(device: torch.device) -> bool:
     return False
 
 
+@dataclass
+class MicroBatch:
+    """Rollouts padded into one forward pass, with what the loss needs beside them."""
+    input_ids: torch.Tensor                 # [b, T] long, right-padded prompt + completion
+    attention_mask: torch.Tensor            # [b, T] long
+    response_mask: torch.Tensor             # [b, T] bool, the completion's tokens
+    advantages: torch.Tensor                # [b] float32
+    weight: float                           # its share of the mini-batch's loss normaliser (x processes)
+    old_logp: torch.Tensor | None = None    # [b, T] log pi_old, when the policy has moved since sampling
+    ref_logp: torch.Tensor | None = None    # [b, T] log pi_ref, when kl_coef > 0
+
+
 def grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_size: int, *,
-              accelerator=None, ref_model=None, kl_coef: float = 0.0, clip_low: float = 0.2,
-              clip_high: float = 0.2, agg: str = "token-mean", norm_len: int | None = None,
-              scale_advantages: bool = True, updates_per_batch: int = 1, token_budget: int = 4096,
+              mini_batch_groups: int | None = None, accelerator=None, ref_model=None, kl_coef: float = 0.0,
+              clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean", norm_len: int | None = None,
+              scale_advantages: bool = True, temperature: float = 1.0, token_budget: int = 4096,
               max_grad_norm: float = 1.0, bf16: bool | None = None, gradient_checkpointing: bool = False,
               chunk_rows: int = 256) -> dict:
-    """One GRPO optimisation step (updates_per_batch steps of optimizer and scheduler) on a batch of rollouts.
+    """One GRPO step on a batch of rollouts: an optimizer (and scheduler) step per mini-batch of groups.
 
     prompts, completions: lists of token-id lists (a completion ends with EOS when it stopped there);
-    rewards: [B] group after group, B = groups x group_size. model holds float32 weights, plain or
-    prepared by `accelerator`; bf16=None autocasts to bfloat16 where the device supports it. Micro-batches
-    hold at most token_budget padded tokens. Returns float metrics (under DDP: this process's rollouts,
-    except loss, which is the whole batch's).
+    rewards: [B] group after group, B = G x group_size. The groups are cut, in order, into mini-batches of
+    mini_batch_groups groups (None: one mini-batch), and mini-batch k takes optimizer step k on
+
+        L_k = AGG_{i in k, t} -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) + beta k3_it
+        rho_it = pi_theta(o_it | ...) / pi_old(o_it | ...),   pi_old = the policy before this call
+
+    (see the top of the file); log pi is taken at the sampling temperature (logits / temperature), as the
+    sampler drew. pi_old's log-probs are computed once, before the first mini-batch: in mini-batch 0,
+    pi_theta = pi_old (rho = 1, the clip never binds); from mini-batch 1 on the policy has moved and the clip
+    can bind. Inside a mini-batch, micro-batches of at most token_budget padded tokens accumulate the exact
+    mini-batch gradient.
+
+    Several processes (accelerator prepared with DDP): every process passes the whole batch and trains on
+    its share of each mini-batch (rollouts rank::world); one with no share runs one rollout at weight 0,
+    so that it still joins the gradient all-reduce. model holds float32 weights; bf16=None autocasts to
+    bfloat16 where the device supports it. Returns float metrics of the whole batch, over all processes.
     """
     started = time.perf_counter()
     if not len(prompts) == len(completions) == len(rewards):
         raise ValueError(f"grpo_step: {len(prompts)} prompts, {len(completions)} completions and {len(rewards)} "
                          f"rewards; pass one of each per rollout")
-    if updates_per_batch < 1:
-        raise ValueError(f"updates_per_batch={updates_per_batch}: must be >= 1")
+    if mini_batch_groups is not None and mini_batch_groups < 1:
+        raise ValueError(f"mini_batch_groups={mini_batch_groups}: must be >= 1 (or None: one mini-batch)")
     if kl_coef > 0 and ref_model is None:
         raise ValueError("grpo_step: kl_coef > 0 needs ref_model (the frozen initial policy)")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: pass the (positive) temperature the rollouts were sampled at")
     _check_aggregation(agg, norm_len)
     device = accelerator.device if accelerator is not None else next(model.parameters()).device
-    processes = accelerator.num_processes if accelerator is not None else 1
     bf16 = bf16_supported(device) if bf16 is None else bf16
     # no autocast weight cache: it would keep a bfloat16 copy of every weight alive for the whole pass (1.2 GB
     # here); recasting per use costs less time than it saves memory (python grpo.py --bench: 9.2 -> 8.1 GB)
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
+    logprobs = partial(token_logprobs, temperature=temperature, chunk_rows=chunk_rows)
+    loss_fn = partial(policy_loss, clip_low=clip_low, clip_high=clip_high, agg=agg, kl_coef=kl_coef, norm_len=norm_len)
 
     advantages = group_advantages(rewards, group_size, scale=scale_advantages).to(device)   # [B]
-    zero_groups = (advantages.view(-1, group_size) == 0).all(dim=1).float().mean()
-    lengths = [len(p) + len(c) for p, c in zip(prompts, completions)]
-    batches = []
-    for index in micro_batches(lengths, token_budget):
-        input_ids, attention_mask, response_mask = pad_batch([prompts[i] for i in index],
-                                                             [completions[i] for i in index], device)
-        batches.append({"input_ids": input_ids, "attention_mask": attention_mask,
-                        "response_mask": response_mask, "advantages": advantages[index]})
+    plan = _plan(prompts, completions, advantages, group_size, mini_batch_groups, agg, token_budget, accelerator)
+    _set_checkpointing(model, gradient_checkpointing)
+    was_training = model.training
+    model.train()
+    with torch.no_grad(), autocast():
+        _fix_logprobs(plan, logprobs, model, ref_model if kl_coef > 0 else None)
+    totals = {}  # statistic -> token-weighted sum over this process's rollouts of every mini-batch
+    for mini_batch in plan:
+        update = _mini_batch_update(model, optimizer, scheduler, mini_batch, accelerator=accelerator,
+                                    autocast=autocast, logprobs=logprobs, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
+        for name, value in update.items():
+            totals[name] = totals.get(name, 0.0) + value
+    model.train(was_training)
+    metrics = _step_statistics(totals, len(plan), accelerator)
+    metrics.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
+                   zero_adv_groups=float((advantages.view(-1, group_size) == 0).all(dim=1).float().mean()),
+                   tokens=float(sum(len(p) + len(c) for p, c in zip(prompts, completions))),
+                   seconds=time.perf_counter() - started)
+    return metrics
 
-    # each micro-batch's share of the loss normaliser, summed over processes (DDP averages gradients)
-    def size(b):
-        return b["response_mask"].sum() if agg == "token-mean" else torch.tensor(len(b["advantages"]), device=device)
-    total = sum(size(b) for b in batches).float()
-    if processes > 1:
-        total = accelerator.reduce(total, reduction="sum")
-    for b in batches:
-        b["weight"] = size(b) * processes / total.clamp(min=1)
 
+def _step_statistics(totals: dict, steps: int, accelerator) -> dict:
+    """Sums over processes of the mini-batches' statistics -> the step's token means, and the loss, gradient
+    norm and learning rate averaged over its optimizer steps."""
+    names = sorted(totals)
+    device = accelerator.device if accelerator is not None else "cpu"
+    summed = torch.stack([torch.as_tensor(totals[name], dtype=torch.float32, device=device) for name in names])
+    if accelerator is not None and accelerator.num_processes > 1:
+        summed = accelerator.reduce(summed, reduction="sum")
+    totals = dict(zip(names, summed.tolist()))
+    tokens = max(totals["response_tokens"], 1.0)
+    per_step = ("loss", "grad_norm", "lr")
+    metrics = {name: value / tokens for name, value in totals.items() if name not in (*per_step, "response_tokens")}
+    metrics.update({name: totals[name] / steps for name in per_step})
+    metrics.update(clip_frac=metrics["clip_low"] + metrics["clip_high"], optimizer_steps=float(steps),
+                   response_tokens=totals["response_tokens"])
+    return metrics
+
+
+def _plan(prompts, completions, advantages, group_size, mini_batch_groups, agg, token_budget, accelerator):
+    """This process's micro-batches of each mini-batch: [[MicroBatch, ...] per optimizer step]."""
+    rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    groups = len(advantages) // group_size
+    per_step = mini_batch_groups or groups
+
+    def size(index):  # a set of rollouts' part of L's normaliser: response tokens (token-mean) or sequences
+        return sum(len(completions[i]) for i in index) if agg == "token-mean" else len(index)
+
+    plan = []
+    for first in range(0, groups, per_step):
+        rollouts = range(first * group_size, min(first + per_step, groups) * group_size)
+        # every process holds the whole batch, so each knows the mini-batch's normaliser without a collective;
+        # x processes because DDP averages the processes' gradients
+        share = processes / max(size(rollouts), 1)
+        mine = list(rollouts[rank::processes])
+        if not mine:  # nothing of this mini-batch here: one rollout at weight 0 keeps the all-reduce in step
+            mine, share = [rollouts[0]], 0.0
+        lengths = [len(prompts[i]) + len(completions[i]) for i in mine]
+        plan.append([])
+        for index in micro_batches(lengths, token_budget):
+            index = [mine[j] for j in index]
+            batch = pad_batch([prompts[i] for i in index], [completions[i] for i in index], advantages.device)
+            plan[-1].append(MicroBatch(*batch, advantages[index], weight=size(index) * share))
+    return plan
+
+
+def _fix_logprobs(plan, logprobs, model, ref_model):
+    """Before the first optimizer step: pi_old's log-probs for every mini-batch after the first (in the first,
+    pi_theta is pi_old), and pi_ref's for all when there is a reference model."""
+    for k, mini_batch in enumerate(plan):
+        for b in mini_batch:
+            inputs = (b.input_ids, b.attention_mask, b.response_mask)
+            if k > 0:
+                b.old_logp = logprobs(model, *inputs)[0]
+            if ref_model is not None:
+                b.ref_logp = logprobs(ref_model, *inputs)[0]
+
+
+def _set_checkpointing(model, enabled: bool):
     core = _unwrap(model)
-    if core.is_activation_checkpointing != gradient_checkpointing:
-        if gradient_checkpointing:
+    if core.is_activation_checkpointing != enabled:
+        if enabled:
             core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             core.activation_checkpointing_disable()
-    was_training = model.training
-    model.train()
 
-    with torch.no_grad(), autocast():
-        for b in batches:
-            inputs = (b["input_ids"], b["attention_mask"], b["response_mask"])
-            if updates_per_batch > 1:  # the behaviour policy, fixed before the first update
-                b["old_logp"] = token_logprobs(model, *inputs, chunk_rows=chunk_rows)[0]
-            if kl_coef > 0:
-                b["ref_logp"] = token_logprobs(ref_model, *inputs, chunk_rows=chunk_rows)[0]
 
-    response_tokens = sum(b["response_mask"].sum() for b in batches).float()
-    sums = {}  # statistic -> sum over updates of its token-weighted total
-    loss_sum, grad_norm_sum, lr_sum = 0.0, 0.0, 0.0
-    for _ in range(updates_per_batch):
-        loss_total = torch.zeros((), device=device)
-        for k, b in enumerate(batches):
-            last = k == len(batches) - 1
-            # gradients are all-reduced once, on the last micro-batch
-            sync = nullcontext() if last else (accelerator.no_sync(model) if accelerator is not None
-                                               else getattr(model, "no_sync", nullcontext)())
-            with sync:
-                with autocast():
-                    logp, entropy = token_logprobs(model, b["input_ids"], b["attention_mask"],
-                                                   b["response_mask"], chunk_rows=chunk_rows)
-                    loss, stats = policy_loss(logp, b.get("old_logp", logp.detach()), b["advantages"],
-                                              b["response_mask"], clip_low, clip_high, agg,
-                                              b.get("ref_logp"), kl_coef, norm_len)
-                    weighted = loss * b["weight"]
-                if accelerator is not None:
-                    accelerator.backward(weighted)
-                else:
-                    weighted.backward()
-            loss_total += weighted.detach()
-            stats["entropy"] = aggregate(entropy, b["response_mask"], "token-mean")
-            tokens = b["response_mask"].sum()
-            for name, value in stats.items():
-                sums[name] = sums.get(name, 0.0) + value * tokens
-        if processes > 1:
-            loss_total = accelerator.reduce(loss_total, reduction="mean")
-        params = [p for p in model.parameters() if p.requires_grad]
-        clip = accelerator.clip_grad_norm_ if accelerator is not None else torch.nn.utils.clip_grad_norm_
-        grad_norm = clip(params, max_grad_norm)
-        lr_sum += optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum += loss_total
-        grad_norm_sum += grad_norm
-
-    model.train(was_training)
-    metrics = {"loss": loss_sum / updates_per_batch,
-               "adv_mean": advantages.mean(), "adv_std": advantages.std(), "zero_adv_groups": zero_groups,
-               **{name: value / (response_tokens.clamp(min=1) * updates_per_batch) for name, value in sums.items()},
-               "grad_norm": grad_norm_sum / updates_per_batch, "lr": lr_sum / updates_per_batch,
-               "tokens": sum(lengths), "response_tokens": response_tokens}
-    metrics = {name: float(value) for name, value in metrics.items()}
-    metrics["seconds"] = time.perf_counter() - started
-    return metrics
+def _mini_batch_update(model, optimizer, scheduler, micro: list[MicroBatch], *, accelerator, autocast, logprobs,
+                       loss_fn, max_grad_norm) -> dict:
+    """Accumulate one mini-batch's gradient over its micro-batches, then one optimizer and scheduler step.
+    Returns token-weighted sums of the loss statistics over this process's rollouts (weight-0 ones excluded),
+    and this step's loss, gradient norm and learning rate (counted once, by the main process)."""
+    sums = {}
+    loss_total = torch.zeros((), device=micro[0].input_ids.device)
+    for k, b in enumerate(micro):
+        # gradients are all-reduced once, on the last micro-batch
+        last = k == len(micro) - 1
+        sync = nullcontext() if last else (accelerator.no_sync(model) if accelerator is not None
+                                           else getattr(model, "no_sync", nullcontext)())
+        with sync:
+            with autocast():
+                logp, entropy = logprobs(model, b.input_ids, b.attention_mask, b.response_mask)   # [b, T] each
+                old_logp = logp.detach() if b.old_logp is None else b.old_logp
+                loss, stats = loss_fn(logp, old_logp, b.advantages, b.response_mask, ref_logp=b.ref_logp)
+                weighted = loss * b.weight
+            if accelerator is not None:
+                accelerator.backward(weighted)
+            else:
+                weighted.backward()
+        loss_total += weighted.detach()
+        stats["entropy"] = aggregate(entropy, b.response_mask, "token-mean")
+        tokens = b.response_mask.sum() * (b.weight > 0)
+        for name, value in stats.items():
+            sums[name] = sums.get(name, 0.0) + value * tokens
+        sums["response_tokens"] = sums.get("response_tokens", 0.0) + tokens
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = accelerator.clip_grad_norm_ if accelerator is not None else torch.nn.utils.clip_grad_norm_
+    grad_norm = clip(params, max_grad_norm)
+    processes = accelerator.num_processes if accelerator is not None else 1
+    main = accelerator is None or accelerator.is_main_process
+    # loss_total is this process's share of L_k, scaled by processes (the weights above): /processes sums to L_k
+    sums.update(loss=loss_total / processes, grad_norm=grad_norm * main, lr=optimizer.param_groups[0]["lr"] * main)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return sums
 
 
 # ----------------------------------------------------------------------------- benchmark

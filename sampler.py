@@ -78,6 +78,9 @@ class Completion:
     token_ids: list[int]
     text: str | None  # None when generate was given no tokenizer
     finish_reason: str  # "eos" (token_ids ends with the end-of-sequence token) or "length"
+    # sum over the drawn tokens of log softmax(logits / temperature): the sampling policy's log-probability of
+    # token_ids, before top-p truncation (what GRPO's ratio is taken against); "kv" backend at temperature > 0
+    logprob: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -133,9 +136,9 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature
     completions = []
     for p, ids in enumerate(prompt_ids):
         group = []
-        for tokens, reason in rows[p * n:(p + 1) * n]:
+        for tokens, reason, logprob in rows[p * n:(p + 1) * n]:
             text = None if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
-            group.append(Completion(ids, tokens, text, reason))
+            group.append(Completion(ids, tokens, text, reason, logprob))
         completions.append(group)
     return completions
 
@@ -180,7 +183,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
 # --------------------------------------------------------------------------- hf: the reference
 
 def _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p, seed, eos_ids, ignore_eos):
-    """transformers generate on the left-padded batch; returns (token_ids, finish_reason) per row.
+    """transformers generate on the left-padded batch; returns (token_ids, finish_reason, None) per row.
 
     seed: an int seeds the one batched call; a list (one per prompt) runs one call per prompt, each seeded.
     """
@@ -218,7 +221,7 @@ def _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, t
     for tokens in out[:, width:].tolist():
         stop = next((i for i, t in enumerate(tokens) if t in eos_ids), None)
         kept, reason = (tokens, "length") if stop is None else (tokens[:stop + 1], "eos")
-        rows += [(list(kept), reason) for _ in range(repeats)]
+        rows += [(list(kept), reason, None) for _ in range(repeats)]
     return rows
 
 
@@ -361,7 +364,8 @@ def sample_next(logits, temperature: float, top_p: float, uniforms, scratch=None
     than the arithmetic on it).
 
     The first candidate whose cumulative probability reaches u * total is never one of probability 0 (the
-    cumulative sum is flat there), so no renormalisation is needed.
+    cumulative sum is flat there), so no renormalisation is needed. Afterwards `scratch` (when given) holds
+    softmax(logits / temperature), before top-p: the caller reads the drawn tokens' log-probabilities there.
     """
     if temperature == 0:
         return logits.argmax(-1)
@@ -456,7 +460,7 @@ def row_uniforms(prompt_seeds, n, steps, start, stop):
 def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, step, compile, cos, sin, dtype,
                  device, progress=None):
     """Sample every row of one wave (consecutive rows of one prompt share its prefill); row r draws its
-    token j with uniforms[r, j] (None when greedy)."""
+    token j with uniforms[r, j] (None when greedy). Returns (token_ids, finish_reason, logprob) per row."""
     width = max(map(len, wave))  # prompts end at column `width`; completion token j sits in column width + j
     length = width + max_new_tokens
     n_rows = len(wave)
@@ -487,6 +491,7 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, ste
     out = torch.empty(n_rows, max_new_tokens, dtype=torch.long, device=device)
     ends = [max_new_tokens] * n_rows  # tokens kept per row
     reasons = ["length"] * n_rows
+    logprobs = torch.zeros(n_rows, dtype=torch.float32, device=device)  # sum of log pi_T(drawn token) per row
     batch = torch.arange(n_rows, device=device)  # wave row of each batch row
     alive = torch.ones(n_rows, dtype=torch.bool, device=device)
     columns = torch.arange(length, device=device)
@@ -496,6 +501,9 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, ste
         tokens = sample_next(logits[:rows], temperature, top_p, None if uniforms is None else uniforms[batch, j],
                              scratch[:rows])
         out[batch, j] = tokens
+        if uniforms is not None:  # sample_next left the tempered probabilities, before top-p, in scratch
+            drawn = scratch[:rows].gather(1, tokens[:, None]).squeeze(1).log()
+            logprobs[batch] += torch.where(alive, drawn, 0.0)
         bar.update()
         bar.set_postfix(rows=len(batch), refresh=False)
         if j == max_new_tokens - 1:
@@ -522,7 +530,8 @@ def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, ste
                              v_cache[:, :rows], mask, cos, sin)
     bar.close()
     out = out.tolist()
-    return [(out[row][:ends[row]], reasons[row]) for row in range(n_rows)]
+    logprobs = logprobs.tolist() if uniforms is not None else [None] * n_rows
+    return [(out[row][:ends[row]], reasons[row], logprobs[row]) for row in range(n_rows)]
 
 
 # --------------------------------------------------------------------------- benchmark

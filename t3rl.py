@@ -9,12 +9,13 @@ Test-time RL trains a model on unlabeled test questions. For each question q:
     w_i = (1 - v_i) + v_i * omega                  verified rollouts carry omega votes    (voting.py)
     label = argmax_a  sum_i w_i * 1[a_i == a]      the pseudo-label (omega = 1 is TTRL's majority vote)
     r_i = 1[a_i == label]                          the reward; ground truth is never used here
-    keep M of the N rollouts at random, GRPO update on them                               (grpo.py)
+    keep M of the N rollouts at random, GRPO update on them, an AdamW step per Q questions (grpo.py)
 
 Run it:
     python t3rl.py                                  # CPU, offline: embedded 0.5B model, demo benchmark
     accelerate launch t3rl.py --bench math500       # the paper's setting on GPUs
     python t3rl.py --bench knk                      # Knights and Knaves puzzles, the verifier writes SMT-LIB2 for z3
+    torchrun --nproc_per_node 2 t3rl.py             # several processes on CPUs (gloo)
 """
 import argparse
 import hashlib
@@ -27,6 +28,7 @@ import sys
 import time
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -67,6 +69,69 @@ DOMAINS = {"math": Domain("math", lambda text, problem: extract_answer(text), di
 def domain_of(bench: str) -> Domain:
     """Knights and Knaves for --bench knk, math for every other benchmark."""
     return DOMAINS["knk" if bench == "knk" else "math"]
+
+# ----------------------------------------------------------------------------------------------------------------
+# The method: one step of test-time RL (train(), below, loops it over the benchmark)
+
+@dataclass
+class Learner:
+    """What a step works with: the policy and its optimiser, the frozen models, the sandbox, the run."""
+    cfg: "Config"
+    acc: Accelerator
+    policy: torch.nn.Module              # float32 master weights, prepared by accelerate (DDP over processes)
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scheduler: object                    # stepped once per optimizer step
+    verifier: object                     # prompts -> programs (None with --no-verify)
+    pool: SandboxPool
+    run_dir: Path
+    ref_model: torch.nn.Module | None = None   # the starting policy, for the KL term (kl_coef > 0)
+
+
+@dataclass
+class Vote:
+    """One question's vote: the pseudo-label, the verdicts v_i, the rewards r_i and the M rollouts kept."""
+    label: str | None
+    v: list[int]                         # [N] 1 = verified
+    rewards: list[float]                 # [N] 1[a_i == label]
+    keep: list[int]                      # [M] indices of the rollouts that go into the update
+
+
+def rl_step(step: int, questions: list[dict], learner: Learner) -> dict:
+    """One step of test-time RL on a step's questions; returns the step's metrics row. This process samples,
+    verifies and votes on its share of the questions (none, at the end of an episode, when processes
+    outnumber them: it still takes part in every collective); the update then runs on everyone's rollouts."""
+    cfg, acc, clock, dom = learner.cfg, learner.acc, Stopwatch(), domain_of(learner.cfg.bench)
+    shard = questions[acc.process_index::acc.num_processes]
+    with clock("sample"):  # 1. y_1..y_N ~ pi_theta(. | q) and their final answers a_i
+        groups = sample_groups(acc.unwrap_model(learner.policy), learner.tokenizer, shard, cfg, n=cfg.n_votes,
+                               temperature=cfg.temperature, step=step, purpose="rollout")    # [q][N] Completion
+        answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, groups)]
+    with clock("verify"):  # 2. v_i = 1 when the verifier's program, run in the sandbox, reproduces a_i
+        verdicts = verify_groups(shard, groups, answers, learner.verifier, learner.pool, cfg)  # [q][N]
+    votes = []
+    for rec, ans, ver in zip(shard, answers, verdicts):
+        v = [0 if res is None else res.v for res in ver]
+        # 3. the weighted vote's winner is the pseudo-label; 4. r_i = 1[a_i == label], no ground truth here
+        label, _ = weighted_vote(ans, v, omega=cfg.omega, **dom.classes)
+        r = rewards(ans, label, **dom.classes)
+        # 5. vote, then sample: M of the N rollouts, chosen at random, go into the update
+        keep = random.Random(question_seed(cfg, step, rec["id"], "downsample")).sample(range(cfg.n_votes), cfg.n_train)
+        votes.append(Vote(label, v, r, sorted(keep)))
+    # 6. GRPO on every process's kept rollouts, an optimizer step per Q questions
+    kept = gather_kept(shard, groups, votes, acc)
+    with clock("update"):
+        update = grpo_step(learner.policy, learner.optimizer, learner.scheduler, kept.prompts, kept.completions,
+                           kept.rewards, cfg.n_train, mini_batch_groups=cfg.mini_batch_questions or None,
+                           accelerator=acc, ref_model=learner.ref_model, kl_coef=cfg.kl_coef, clip_low=cfg.clip,
+                           clip_high=cfg.clip, agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
+                           scale_advantages=cfg.scale_advantages, temperature=cfg.temperature,
+                           token_budget=cfg.micro_batch_tokens, bf16=cfg.bf16 and bf16_supported(acc.device),
+                           gradient_checkpointing=cfg.grad_checkpointing)
+    log_rollouts(step, shard, groups, answers, verdicts, votes, learner)
+    monitors = [question_monitors(*question, cfg) for question in zip(shard, groups, answers, verdicts, votes)]
+    return step_metrics(step, gather_object(monitors), update, gather_object([clock]))
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # Benchmarks
@@ -195,8 +260,11 @@ class Config:
     verifier_temperature: float = opt(0.6, "verifier sampling temperature")
     sandbox_timeout: float = opt(5.0, "seconds each verifier program may run")
     # optimisation (GRPO)
-    lr: float = opt(5e-7, "peak learning rate (AdamW, cosine schedule)")
-    warmup_ratio: float = opt(0.0, "share of steps spent warming the learning rate up")
+    lr: float = opt(5e-7, "peak learning rate (AdamW, cosine schedule over optimizer steps)")
+    warmup_ratio: float = opt(0.03, "share of the optimizer steps spent warming the learning rate up (TTRL: 0.03)")
+    mini_batch_questions: int = opt(1, "Q: an optimizer step per Q questions' kept rollouts, so ceil(questions per "
+                                       "step / Q) per step (TTRL: 1; 0 = one per step)")
+    scale_advantages: bool = opt(True, "divide advantages by their group's std (--no-scale-advantages: Dr. GRPO)")
     weight_decay: float = opt(0.01, "AdamW weight decay")
     clip: float = opt(0.2, "PPO ratio clip range (both sides)")
     kl_coef: float = opt(0.0, "KL penalty to the starting policy (paper: 0)")
@@ -219,7 +287,8 @@ PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 PRESETS = {
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
     "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=4, max_steps=6, max_new_tokens=320,
-                verifier_max_new_tokens=256, lr=2e-6, eval_samples=0, save_every=3, micro_batch_tokens=4096),
+                verifier_max_new_tokens=256, lr=2e-6, eval_samples=0, save_every=3, micro_batch_tokens=4096,
+                mini_batch_questions=2),
     "none": {},
 }
 
@@ -284,6 +353,9 @@ def _check_config(cfg: Config, parser):
         parser.error(f"--n-train {cfg.n_train}: must be between 1 and --n-votes ({cfg.n_votes})")
     if cfg.n_train < 2:
         parser.error("--n-train must be at least 2: GRPO compares rollouts within a group")
+    if cfg.mini_batch_questions < 0:
+        parser.error(f"--mini-batch-questions {cfg.mini_batch_questions}: give Q >= 1 questions per optimizer step, "
+                     "or 0 for one optimizer step per step")
     if cfg.omega < 1:
         parser.error(f"--omega {cfg.omega}: must be >= 1 (1 = TTRL, inf = hard filtering)")
     if cfg.backend not in ("kv", "hf"):
@@ -321,7 +393,10 @@ def question_seed(cfg: Config, step: int, qid: str, purpose: str) -> int:
 
 def sample_groups(policy, tokenizer, records, cfg: Config, n: int, temperature: float, step: int, purpose: str):
     """n completions per record, in one batched sampler call. Each question has its own seed, so what it gets
-    does not depend on which process or which batch it lands in."""
+    does not depend on which process or which batch it lands in. No records (a process without a question
+    this step): no completions."""
+    if not records:
+        return []
     prompts = [policy_prompt(tokenizer, rec["problem"]) for rec in records]
     seeds = [question_seed(cfg, step, rec["id"], purpose) for rec in records] if temperature > 0 else None
     return generate(policy, tokenizer, prompts, n=n, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
@@ -366,9 +441,10 @@ def evaluate(policy, tokenizer, records, cfg: Config, acc, verifier, pool) -> di
     T3RL's vote used at inference on the same k samples, the equal-budget baseline for training."""
     shard = records[acc.process_index::acc.num_processes]
     unwrapped = acc.unwrap_model(policy)
-    greedy = sample_groups(unwrapped, tokenizer, shard, cfg, 1, 0.0, -1, "greedy")
+    greedy = sample_groups(unwrapped, tokenizer, shard, cfg, n=1, temperature=0.0, step=-1, purpose="greedy")
     k = cfg.eval_samples
-    sampled = sample_groups(unwrapped, tokenizer, shard, cfg, k, cfg.temperature, -1, "eval") if k else []
+    sampled = sample_groups(unwrapped, tokenizer, shard, cfg, n=k, temperature=cfg.temperature, step=-1,
+                            purpose="eval") if k else []
     dom = domain_of(cfg.bench)
     answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, sampled)]
     verdicts = verify_groups(shard, sampled, answers, verifier, pool, cfg) if k and verifier else []
@@ -494,7 +570,9 @@ def train(cfg: Config) -> Path:
     ref_model = load_model(cfg.model)[0].requires_grad_(False).to(acc.device) if cfg.kl_coef > 0 else None
     policy.train()
     optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = cosine_schedule(optimizer, total_steps=len(batches), warmup_steps=int(cfg.warmup_ratio * len(batches)))
+    # the schedule counts optimizer steps: one per mini-batch of questions, so ceil(questions / Q) per step
+    optimizer_steps = sum(-(-len(b) // (cfg.mini_batch_questions or len(b))) for b in batches)
+    scheduler = cosine_schedule(optimizer, total_steps=optimizer_steps, warmup_steps=int(cfg.warmup_ratio * optimizer_steps))
     start = 0
     if checkpoint:
         state = torch.load(checkpoint / "state.pt", weights_only=False)
@@ -518,7 +596,8 @@ def train(cfg: Config) -> Path:
         if acc.is_main_process:
             append_jsonl(run_dir / "metrics.jsonl", [row])
 
-    with SandboxPool() as pool:
+    with SandboxPool(timeout=cfg.sandbox_timeout) as pool:
+        learner = Learner(cfg, acc, policy, tokenizer, optimizer, scheduler, verifier, pool, run_dir, ref_model)
         if acc.is_main_process:
             print(f"[t3rl] sandbox: {pool.report}", file=sys.stderr)
         if start == 0:
@@ -529,8 +608,7 @@ def train(cfg: Config) -> Path:
                 return run_dir
         for step in tqdm(range(start, len(batches)), desc="steps", initial=start, total=len(batches),
                          disable=not acc.is_main_process):
-            row = rl_step(step, batches[step], policy, ref_model, tokenizer, optimizer, scheduler, verifier, pool, cfg,
-                          acc, run_dir)
+            row = rl_step(step, batches[step], learner)
             log(row)
             acc.print(format_step(row, len(batches)))
             done = step + 1
@@ -546,73 +624,72 @@ def train(cfg: Config) -> Path:
     return run_dir
 
 
-def rl_step(step, questions, policy, ref_model, tokenizer, optimizer, scheduler, verifier, pool, cfg: Config, acc,
-            run_dir) -> dict:
-    """One step of test-time RL on this process's share of the step's questions; returns the step's metrics."""
-    shard = questions[acc.process_index::acc.num_processes]
-    N, M = cfg.n_votes, cfg.n_train
-    seconds = {}
+# ----------------------------------------------------------------------------------------------------------------
+# A step's helpers: the clock, the kept rollouts, the rollout log and the monitors
 
-    # 1. sample N rollouts per question and extract their answers a_i
-    t0 = time.time()
-    groups = sample_groups(acc.unwrap_model(policy), tokenizer, shard, cfg, N, cfg.temperature, step, "rollout")
-    dom = domain_of(cfg.bench)
-    answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, groups)]
-    seconds["sample"] = time.time() - t0
+class Stopwatch(dict):
+    """Seconds per phase: `with clock("sample"): ...` adds the time the block took to clock["sample"]."""
 
-    # 2. tool verification: v_i = 1 when the verifier's program, run in the sandbox, reproduces a_i
-    t0 = time.time()
-    verdicts = verify_groups(shard, groups, answers, verifier, pool, cfg)
-    seconds["verify"] = time.time() - t0
+    @contextmanager
+    def __call__(self, phase: str):
+        started = time.time()
+        yield
+        self[phase] = self.get(phase, 0.0) + time.time() - started
 
-    # 3. weighted vote -> pseudo-label, rewards r_i = 1[a_i == label]; gold answers only feed the monitors
-    batch_prompts, batch_completions, batch_rewards, per_question, rollout_rows = [], [], [], [], []
-    for rec, group, ans, ver in zip(shard, groups, answers, verdicts):
-        v = [r.v if r is not None else 0 for r in ver]
-        label, _ = weighted_vote(ans, v, omega=cfg.omega, **dom.classes)
-        r = rewards(ans, label, **dom.classes)
-        stats = group_metrics(ans, v, label, cfg.omega, gold=rec["answer"], **dom.classes)
-        # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke it
-        stats["majority_label_accuracy"] = stats["label_accuracy"] - stats["flip_fixed"] + stats["flip_broke"]
-        correct = [is_correct(a, rec["answer"], dom) for a in ans]
-        stats["verified"] = sum(v)
-        stats["verified_correct"] = sum(vi and ci for vi, ci in zip(v, correct))
-        stats["correct"] = sum(correct)
-        stats["statuses"] = [res.status for res in ver if res is not None]
-        stats["verifier_tokens"] = sum(res.tokens or 0 for res in ver if res is not None)
-        stats["verifier_calls_saved"] = sum(bool(getattr(res, "inferred", False)) for res in ver if res is not None)
-        stats["response_tokens"] = [c.num_tokens for c in group]
-        per_question.append(stats)
-        # 4. vote then sample: M of the N rollouts, chosen at random, go into the GRPO update
-        keep = sorted(random.Random(question_seed(cfg, step, rec["id"], "downsample")).sample(range(N), M))
-        for i in keep:
-            batch_prompts.append(group[i].prompt_ids)
-            batch_completions.append(group[i].token_ids)
-            batch_rewards.append(r[i])
+
+@dataclass
+class Rollouts:
+    """The rollouts that go into the update, group after group (M per question): token ids and rewards."""
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    rewards: list[float]
+
+
+def gather_kept(shard, groups, votes, acc) -> Rollouts:
+    """Every process's kept rollouts, in the step's question order: the update, its mini-batches and hence the
+    weights do not depend on how the questions were split over processes."""
+    positions = range(acc.process_index, acc.process_index + len(shard) * acc.num_processes, acc.num_processes)
+    mine = [(position, [(group[i].prompt_ids, group[i].token_ids, vote.rewards[i]) for i in vote.keep])
+            for position, group, vote in zip(positions, groups, votes)]
+    rollouts = [r for _, kept in sorted(gather_object(mine), key=lambda question: question[0]) for r in kept]
+    return Rollouts(*(list(column) for column in zip(*rollouts)))
+
+
+def log_rollouts(step, shard, groups, answers, verdicts, votes, learner: Learner):
+    """Append every rollout of the step (text, answer, verdict, reward, kept) to rollouts.jsonl."""
+    rows = []
+    for rec, group, ans, ver, vote in zip(shard, groups, answers, verdicts, votes):
         for i, (c, res) in enumerate(zip(group, ver)):
-            rollout_rows.append({"step": step, "id": rec["id"], "index": i, "text": c.text, "answer": ans[i],
-                                 "v": v[i], "result": getattr(res, "result", None), "status": getattr(res, "status", None),
-                                 "reward": r[i], "label": label, "kept": i in keep, "program": getattr(res, "code", None)})
-
-    # 5. GRPO update on the kept rollouts (groups of M, group after group)
-    t0 = time.time()
-    update = grpo_step(policy, optimizer, scheduler, batch_prompts, batch_completions, batch_rewards, group_size=M,
-                       accelerator=acc, ref_model=ref_model, kl_coef=cfg.kl_coef, clip_low=cfg.clip,
-                       clip_high=cfg.clip, agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
-                       token_budget=cfg.micro_batch_tokens, bf16=cfg.bf16 and bf16_supported(acc.device),
-                       gradient_checkpointing=cfg.grad_checkpointing)
-    seconds["update"] = time.time() - t0
-
-    # 6. metrics over all processes
-    per_question = gather_object(per_question)
-    rollout_rows = gather_object(rollout_rows)
-    if acc.is_main_process:
-        append_jsonl(run_dir / "rollouts.jsonl", rollout_rows)
-    return step_metrics(step, per_question, gather_object([update]), gather_object([seconds]))
+            rows.append({"step": step, "id": rec["id"], "index": i, "text": c.text, "answer": ans[i], "v": vote.v[i],
+                         "result": getattr(res, "result", None), "status": getattr(res, "status", None),
+                         "reward": vote.rewards[i], "label": vote.label, "kept": i in vote.keep,
+                         "program": getattr(res, "code", None)})
+    rows = gather_object(rows)
+    if learner.acc.is_main_process:
+        append_jsonl(learner.run_dir / "rollouts.jsonl", rows)
 
 
-def step_metrics(step, per_question, updates, seconds) -> dict:
-    """Aggregate per-question monitors (means) and per-process update stats into one metrics row."""
+def question_monitors(rec, group, answers, verdicts, vote: Vote, cfg: Config) -> dict:
+    """How one question's vote went, against the gold answer: monitors only, never rewards."""
+    dom = domain_of(cfg.bench)
+    stats = group_metrics(answers, vote.v, vote.label, cfg.omega, gold=rec["answer"], **dom.classes)
+    # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke it
+    stats["majority_label_accuracy"] = stats["label_accuracy"] - stats["flip_fixed"] + stats["flip_broke"]
+    correct = [is_correct(a, rec["answer"], dom) for a in answers]
+    results = [res for res in verdicts if res is not None]
+    stats["verified"] = sum(vote.v)
+    stats["verified_correct"] = sum(vi and ci for vi, ci in zip(vote.v, correct))
+    stats["correct"] = sum(correct)
+    stats["statuses"] = [res.status for res in results]
+    stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
+    stats["verifier_calls_saved"] = sum(bool(getattr(res, "inferred", False)) for res in results)
+    stats["response_tokens"] = [c.num_tokens for c in group]
+    return stats
+
+
+def step_metrics(step, per_question, update, seconds) -> dict:
+    """One metrics row: per-question monitors (means), the update's statistics (whole step, all processes)
+    and each phase's time (the slowest process)."""
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     row = {"kind": "train", "step": step, "questions": len(per_question)}
     for key in ("label_accuracy", "majority_label_accuracy", "reward_accuracy", "majority_ratio",
@@ -632,11 +709,9 @@ def step_metrics(step, per_question, updates, seconds) -> dict:
     row["policy_tokens"] = sum(lengths)
     row["verifier_tokens"] = sum(q["verifier_tokens"] for q in per_question)
     row["verifier_calls_saved"] = sum(q["verifier_calls_saved"] for q in per_question)
-    for key in updates[0]:
-        if isinstance(updates[0][key], (int, float)):
-            row[f"grpo/{key}"] = mean([u[key] for u in updates])
-    for key in seconds[0]:
-        row[f"seconds/{key}"] = max(s[key] for s in seconds)
+    row.update({f"grpo/{key}": value for key, value in update.items()})
+    for phase in seconds[0]:
+        row[f"seconds/{phase}"] = max(s[phase] for s in seconds)
     return row
 
 
@@ -649,7 +724,7 @@ def format_step(row: dict, total: int) -> str:
             f" prec {fmt(row['verifier_precision'])} rec {fmt(row['verifier_recall'])} | flips {row['flipped'] * row['questions']:.0f}"
             f" (+{row['flip_fixed'] * row['questions']:.0f}/-{row['flip_broke'] * row['questions']:.0f})"
             f" | len {row['response_length']:.0f} ent {fmt(row.get('grpo/entropy'))} loss {row.get('grpo/loss', 0):+.4f}"
-            f" | {timing}")
+            f" opt-steps {row.get('grpo/optimizer_steps', 0):.0f} clip {row.get('grpo/clip_frac', 0):.4f} | {timing}")
 
 
 # ----------------------------------------------------------------------------------------------------------------

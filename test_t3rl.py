@@ -6,6 +6,7 @@ import doctest
 import json
 import math
 import os
+import re
 import resource
 import signal
 import socket
@@ -1168,6 +1169,22 @@ def test_token_logprobs_entropy_equals_softmax_entropy(tiny_model):
     torch.testing.assert_close(entropy, expected, atol=1e-5, rtol=1e-4)  # float32 sums over 152k terms
 
 
+def test_token_logprobs_at_the_sampling_temperature_are_the_samplers_own():
+    """The sampler's log-probability of the tokens it drew at temperature T (no top-p) is what the update
+    computes at T; at T = 1 it is not (the test can tell them apart)."""
+    model = small_vocab_model()
+    prompts = [[3, 5, 7], [11, 13]]
+    groups = generate(model, None, prompts, n=3, max_new_tokens=8, temperature=0.6, top_p=1.0, seed=0)
+    completions = [c for group in groups for c in group]
+    batch = pad_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions])
+    sampled = torch.tensor([c.logprob for c in completions])
+    with torch.no_grad():
+        at_t = token_logprobs(model, *batch, temperature=0.6)[0].sum(-1)
+        at_1 = token_logprobs(model, *batch)[0].sum(-1)
+    torch.testing.assert_close(at_t, sampled, atol=1e-4, rtol=1e-5)
+    assert (at_1 - sampled).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_token_logprobs_gradient_equals_plain_gradient(tokenizer, tied):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
@@ -1197,11 +1214,24 @@ def test_micro_batches_give_the_full_batch_update(tiny_model, agg):
     torch.testing.assert_close(deltas[0], deltas[1], atol=1e-5, rtol=1e-3)
 
 
-def test_second_update_on_a_batch_measures_ratios_against_the_sampling_policy(tiny_model):
-    optimizer = torch.optim.SGD(tiny_model.parameters(), lr=1.0)
-    metrics = grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 2), GRPO_PROMPTS, COMPLETIONS,
-                        [1.0, 0.0, 0.0, 1.0], 2, updates_per_batch=2, bf16=False)
-    assert abs(metrics["ratio"] - 1) > 1e-3  # the first update's ratios are 1; the second's are not
+def test_one_mini_batch_is_one_optimizer_step_whose_clip_never_binds(tiny_model):
+    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
+    scheduler = cosine_schedule(optimizer, 10)
+    metrics = grpo_step(tiny_model, optimizer, scheduler, GRPO_PROMPTS * 2, COMPLETIONS * 2,
+                        [1.0, 0.0, 0.0, 1.0] * 2, 2, bf16=False)
+    assert metrics["optimizer_steps"] == 1 and scheduler.last_epoch == 1
+    assert metrics["clip_frac"] == 0.0 and metrics["ratio"] == 1.0  # pi_theta is pi_old throughout
+
+
+def test_each_mini_batch_takes_an_optimizer_step_against_the_sampling_policy(tiny_model):
+    """Four groups, one per mini-batch: four optimizer (and scheduler) steps, and from the second on the
+    ratio is taken against the policy that sampled, fixed before the first step, so the clip binds."""
+    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
+    scheduler = cosine_schedule(optimizer, 10)
+    metrics = grpo_step(tiny_model, optimizer, scheduler, GRPO_PROMPTS * 2, COMPLETIONS * 2,
+                        [1.0, 0.0, 0.0, 1.0] * 2, 2, mini_batch_groups=1, bf16=False)
+    assert metrics["optimizer_steps"] == 4 and scheduler.last_epoch == 4
+    assert metrics["clip_frac"] > 0 and abs(metrics["ratio"] - 1) > 1e-3
 
 
 def test_float32_master_weights_keep_updates_below_bfloat16_resolution(tiny_model):
@@ -1613,7 +1643,17 @@ def test_paper_preset_follows_the_paper():
     assert (cfg.n_votes, cfg.n_train, cfg.temperature, cfg.top_p) == (64, 32, 0.6, 0.95)
     assert (cfg.max_new_tokens, cfg.verifier_max_new_tokens, cfg.lr, cfg.kl_coef, cfg.omega) == (2560, 1024, 5e-7, 0.0, 5.0)
     assert (cfg.episodes, cfg.eval_samples) == (80, 16)
+    assert (cfg.mini_batch_questions, cfg.warmup_ratio, cfg.clip) == (1, 0.03, 0.2)  # TTRL's scripts
     assert t3rl.parse_config(["--preset", "paper", "--bench", "amc"]).episodes == 30
+
+
+def test_every_option_is_read_by_the_run():
+    """An option nothing reads does nothing (--sandbox-timeout once did): each Config field is read as cfg.<name>
+    somewhere in t3rl.py, besides the preset that picks the others."""
+    source = (ROOT / "t3rl.py").read_text()
+    unread = [name for name in t3rl.Config.__dataclass_fields__
+              if name != "preset" and not re.search(rf"\bcfg\.{name}\b(?!\s*=[^=])", source)]
+    assert unread == []
 
 
 def test_omega_inf_and_no_verify_parse():
@@ -1671,7 +1711,15 @@ def test_ground_truth_never_reaches_rewards_or_parameters(tiny_dir, tmp_path, mo
 def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    pools = []
+
+    class RecordedPool(t3rl.SandboxPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+    monkeypatch.setattr(t3rl, "SandboxPool", RecordedPool)
+    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, sandbox_timeout=2.5)))
+    assert [pool.timeout for pool in pools] == [2.5]  # --sandbox-timeout reaches the pool
     assert json.loads((run / "config.json").read_text())["n_votes"] == 4
     metrics = rows(run, "metrics.jsonl")
     assert [m["kind"] for m in metrics] == ["eval", "train", "train", "eval"]
@@ -1743,30 +1791,85 @@ def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, pat
     assert table[2].split()[3] == "0"  # omega = 1 is the majority vote itself: no flips
 
 
-def test_two_processes_train_like_one(tiny_dir, tmp_path):
-    """accelerate launch --num_processes 2 sees the same questions and reaches the same metrics and weights."""
-    write_bench(tmp_path / "data", QUESTIONS)
-    script = tmp_path / "run_t3rl.py"
-    script.write_text(f"import sys; sys.path.insert(0, {str(ROOT)!r})\nimport t3rl, test_t3rl\n"
-                      "t3rl.extract_answer = test_t3rl.fake_answer\nt3rl.main()\n")
-    env = {**os.environ, "T3RL_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
-    argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, eval_samples=0, verify=False)
-    runs = {}
-    for procs in (1, 2):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", str(procs),
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", str(script),
-               *[a for a in argv if not a.startswith("--run-name")], f"--run-name=p{procs}"]
-        done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[procs] = tmp_path / "out" / f"p{procs}"
-    one, two = (without_timing(rows(runs[p], "metrics.jsonl")) for p in (1, 2))
-    # per-process GRPO statistics are averaged over processes, so only the monitors must agree exactly
-    strip = lambda ms: [{k: v for k, v in m.items() if not k.startswith("grpo/")} for m in ms]  # noqa: E731
-    assert strip(one) == strip(two)
+LAUNCHED = """import sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+import t3rl
+t3rl.extract_answer = lambda text: str(len(text) % 3)  # test_t3rl.fake_answer
+t3rl.build_verifier = lambda cfg, device: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
+t3rl.main()
+print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}} done")
+"""
+
+
+@pytest.fixture()
+def sharp_dir(tmp_path_factory, tokenizer):
+    """The tiny model with an untied head scaled 20x: its next-token distributions are peaked, so the float
+    rounding by which one and several processes' updates differ (summation order) cannot flip a sampled token,
+    as it can on a near-flat distribution over 152k tokens."""
+    folder = tmp_path_factory.mktemp("sharp")
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def train_like_one(model_dir, tmp_path, monkeypatch, processes, questions, **options):
+    """Train with `processes` real processes (torchrun, gloo) and in this one process; both run folders."""
+    write_bench(tmp_path / "data", questions)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    one = t3rl.train(t3rl.parse_config(tiny_argv(model_dir, tmp_path / "one", **options)))
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED.format(root=str(ROOT)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+           str(script), *tiny_argv(model_dir, tmp_path / "many", **options)]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    # the world size, as each process saw it inside the run
+    seen = re.findall(r"process (\d+) of (\d+) done", done.stdout)  # the processes' lines may interleave
+    assert sorted(seen) == [(str(rank), str(processes)) for rank in range(processes)]
+    return one, tmp_path / "many" / "run"
+
+
+def assert_trained_alike(one, many):
+    """Same rollouts, same metrics (the update's statistics to float tolerance), weights to tolerance."""
     key = lambda r: (r["step"], r["id"], r["index"])  # noqa: E731
-    assert sorted(rows(runs[1], "rollouts.jsonl"), key=key) == sorted(rows(runs[2], "rollouts.jsonl"), key=key)
-    w1, w2 = final_weights(runs[1]), final_weights(runs[2])
-    assert all(torch.allclose(w1[k], w2[k], rtol=1e-4, atol=1e-6) for k in w1)
+    assert sorted(rows(one, "rollouts.jsonl"), key=key) == sorted(rows(many, "rollouts.jsonl"), key=key)
+    a, b = without_timing(rows(one, "metrics.jsonl")), without_timing(rows(many, "metrics.jsonl"))
+    assert [{k: v for k, v in r.items() if not k.startswith("grpo/")} for r in a] == \
+        [{k: v for k, v in r.items() if not k.startswith("grpo/")} for r in b]
+    for ra, rb in zip(a, b):
+        assert {k: pytest.approx(v, rel=1e-3, abs=1e-6) for k, v in ra.items() if k.startswith("grpo/")} == \
+            {k: v for k, v in rb.items() if k.startswith("grpo/")}
+    # AdamW moves a weight by about lr whatever its gradient's size, so where a gradient is at rounding level
+    # the summation order shows as a small fraction of lr (1e-3 here)
+    w1, w2 = final_weights(one), final_weights(many)
+    assert all(torch.allclose(w1[k], w2[k], rtol=1e-4, atol=1e-5) for k in w1)
+
+
+def test_three_processes_on_steps_of_two_questions_train_like_one(sharp_dir, tmp_path, monkeypatch, patched):
+    """Every step leaves one process without a question; two optimizer steps per step, the second against the
+    log-probs of the policy that sampled (ratio != 1)."""
+    one, many = train_like_one(sharp_dir, tmp_path, monkeypatch, 3, QUESTIONS, max_steps=2, eval_samples=0,
+                               mini_batch_questions=1)
+    assert_trained_alike(one, many)
+    train_rows = [r for r in rows(many, "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["grpo/optimizer_steps"] for r in train_rows] == [2, 2]
+    assert any(abs(r["grpo/ratio"] - 1) > 1e-4 for r in train_rows)
+
+
+def test_four_processes_on_a_benchmark_not_a_multiple_of_the_step_train_like_one(sharp_dir, tmp_path, monkeypatch,
+                                                                                  patched):
+    """5 questions in steps of 2: the last step has one question for four processes, and is kept."""
+    questions = QUESTIONS + [("What is 5 + 5?", "10")]
+    one, many = train_like_one(sharp_dir, tmp_path, monkeypatch, 4, questions, episodes=1, max_steps=0,
+                               eval_samples=0, verify=False, save_every=3)
+    assert_trained_alike(one, many)
+    train_rows = [r for r in rows(many, "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["questions"] for r in train_rows] == [2, 2, 1]
 
 
 # =================================================================================================================
