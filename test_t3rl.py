@@ -1804,9 +1804,10 @@ print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}} done")
 
 @pytest.fixture()
 def sharp_dir(tmp_path_factory, tokenizer):
-    """The tiny model with an untied head scaled 20x: its next-token distributions are peaked, so the float
-    rounding by which one and several processes' updates differ (summation order) cannot flip a sampled token,
-    as it can on a near-flat distribution over 152k tokens."""
+    """The tiny model with an untied head scaled 20x. One and several processes' updates differ by float
+    rounding (summation order); sampled in float32 from peaked next-token distributions, that cannot flip a
+    drawn token, as it can on a near-flat distribution over 152k tokens or in bfloat16 (where a weight whose
+    rounding flips moves logits by 2^-8)."""
     folder = tmp_path_factory.mktemp("sharp")
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
     with torch.no_grad():
@@ -1820,6 +1821,7 @@ def train_like_one(model_dir, tmp_path, monkeypatch, processes, questions, **opt
     """Train with `processes` real processes (torchrun, gloo) and in this one process; both run folders."""
     write_bench(tmp_path / "data", questions)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    options = dict(sample_dtype="float32", **options)
     one = t3rl.train(t3rl.parse_config(tiny_argv(model_dir, tmp_path / "one", **options)))
     script = tmp_path / "launched.py"
     script.write_text(LAUNCHED.format(root=str(ROOT)))
