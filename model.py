@@ -163,8 +163,13 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     print(f"[t3rl] converting {gguf_path.name} to {dtype} safetensors in {out_dir} (once; 1-3 min) ...", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype)
+    except Exception as err:  # a valid magic over a damaged body fails deep inside gguf / transformers
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ModelLoadError(f"{gguf_path}: GGUF header but unreadable contents ({reason}); re-download or "
+                             f"re-export that file") from None
     # transformers dequantises GGUF weights while loading but keeps the model tagged as quantised,
     # which blocks save_pretrained; the tensors are plain ones, so drop the tag.
     model.hf_quantizer = None
@@ -193,26 +198,50 @@ def offline_model_dir(name: str = "coder-0.5b") -> Path:
         return _convert_gguf(gguf_path, out_dir, model.dtype)
 
 
+def check_spec(spec: str, option: str = "--model"):
+    """Refuse a model name that cannot load, without loading or probing anything: a missing path, a file
+    without GGUF magic, a folder without config.json, a name that is not owner/name. Errors name `option`."""
+    if offline_model(spec):
+        return
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"{option} {spec}: no such GGUF file; pass an existing .gguf path, a folder, a Hub id or 'embedded'")
+        with open(path, "rb") as fh:
+            if fh.read(4) != GGUF_MAGIC:
+                raise ModelLoadError(f"{option} {spec}: not a GGUF file (bad magic); re-download it")
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{option} {spec}: folder has no config.json; pass a transformers checkpoint folder")
+    elif path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
+        raise ModelLoadError(f"{option} {spec}: not a folder, a .gguf file, a Hub id (owner/name) or an offline model "
+                             f"({OFFLINE_NAMES})")
+
+
+def check_hub(spec: str, option: str = "--model"):
+    """For a Hub id: refuse it at once when it is neither in the local cache nor downloadable (a 3 s probe)."""
+    from huggingface_hub import try_to_load_from_cache
+    if offline_model(spec) or Path(spec).expanduser().exists() or Path(spec).suffix == ".gguf":
+        return
+    if not isinstance(try_to_load_from_cache(spec, "config.json"), str) and not hub_reachable():
+        raise ModelLoadError(_unreachable(spec, option))
+
+
+def _unreachable(spec: str, option: str) -> str:
+    return (f"{option} {spec}: not in the local Hugging Face cache and the Hub is unreachable; on a machine with "
+            f"access run `hf download {spec} --local-dir DIR` and pass {option} DIR, or use an offline model ({OFFLINE_NAMES})")
+
+
 def _resolve(spec: str) -> Path | str:
     """Map a --model value to a folder (converted if needed) or a Hub id."""
+    check_spec(spec)
     if offline_model(spec):
         return offline_model_dir(spec)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise ModelLoadError(f"--model {spec}: no such GGUF file; pass an existing .gguf path, a folder, a Hub id or 'embedded'")
-        with open(path, "rb") as fh:
-            if fh.read(4) != GGUF_MAGIC:
-                raise ModelLoadError(f"--model {spec}: not a GGUF file (bad magic); re-download it")
         with _locked(cache_dir() / "gguf.lock"):
             return _convert_gguf(path, cache_dir() / f"{path.stem}-{path.stat().st_size}")
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"--model {spec}: folder has no config.json; pass a transformers checkpoint folder")
-        return path
-    if path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise ModelLoadError(f"--model {spec}: not a folder, a .gguf file, a Hub id (owner/name) or an offline model ({OFFLINE_NAMES})")
-    return spec
+    return path if path.is_dir() else spec
 
 
 def parse_dtype(dtype) -> torch.dtype:
@@ -265,9 +294,7 @@ def load_model(spec: str = "embedded", dtype=None):
             model, tokenizer = _from_pretrained(source, dtype, local_files_only=True)
         except OSError:
             if not hub_reachable():
-                raise ModelLoadError(f"--model {spec}: not in the local Hugging Face cache and the Hub is unreachable; "
-                                     f"on a machine with access run `hf download {spec} --local-dir DIR` and pass "
-                                     f"--model DIR, or use an offline model ({OFFLINE_NAMES})") from None
+                raise ModelLoadError(_unreachable(spec, "--model")) from None
             print(f"[t3rl] downloading {spec} from the Hugging Face Hub ...", file=sys.stderr)
             model, tokenizer = _from_pretrained(source, dtype)
     if tokenizer.pad_token is None:

@@ -40,7 +40,7 @@ from tqdm import tqdm
 import knk
 from answers import answer_key, extract_answer, is_equiv, same_answer
 from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
-from model import ModelLoadError, load_model
+from model import ModelLoadError, check_hub, check_spec, load_model
 from sampler import generate
 from sandbox import SandboxPool
 from verifier import model_verifier, verify_batch
@@ -146,31 +146,60 @@ BENCHES = [*HUB_BENCHES, "demo", "knk"]  # knk: data/knk.jsonl, made by `python 
 ROWS_API = "https://datasets-server.huggingface.co/rows"
 
 
-class BenchError(ValueError):
-    """A benchmark could not be found or read; the message says where and what to do."""
+class DataError(ValueError):
+    """A data file (a benchmark, or a run's JSON-lines) cannot be read; the message names the file, the line and
+    what to do."""
+
+
+class BenchError(DataError):
+    """A benchmark could not be found; the message says where and what to do."""
+
+
+def jsonl_objects(path: Path, torn_tail_ok: bool = False):
+    """(line number, object) for each non-blank line of a JSON-lines file; errors name the file and the line.
+    With torn_tail_ok, a last line without its newline that does not parse (what a kill during an append
+    leaves) is dropped with a note instead."""
+    lines = path.read_bytes().split(b"\n")
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                             f"save the file as UTF-8") from None
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            if torn_tail_ok and lineno == len(lines):
+                print(f"[t3rl] {path}:{lineno}: dropped a half-written last line (left by a kill during a write)",
+                      file=sys.stderr)
+                return
+            raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg}); fix or delete that line") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        yield lineno, obj
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Records {id, problem, answer, ...} from a JSON-lines file; errors name the file and the line."""
-    records = []
-    with open(path, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise BenchError(f"{path}:{lineno}: invalid JSON ({err.msg}); fix or delete that line") from None
-            if not isinstance(rec, dict):
-                raise BenchError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-            for key in ("problem", "answer"):
-                if rec.get(key) in (None, ""):
-                    raise BenchError(f"{path}:{lineno}: record has no '{key}'; every line needs 'problem' and 'answer'")
-            rec["answer"] = str(rec["answer"])
-            rec.setdefault("id", f"{path.stem}-{lineno}")
-            records.append(rec)
+    """Benchmark records {id, problem, answer, ...} from a JSON-lines file; errors name the file and the line."""
+    records, first_line = [], {}
+    for lineno, rec in jsonl_objects(path):
+        for key in ("problem", "answer"):
+            if rec.get(key) in (None, ""):
+                raise DataError(f"{path}:{lineno}: record has no '{key}'; every line needs 'problem' and 'answer'")
+        if not isinstance(rec["problem"], str):
+            raise DataError(f"{path}:{lineno}: 'problem' is a {type(rec['problem']).__name__}, not a string; "
+                             f"write the question as a JSON string")
+        rec["answer"] = str(rec["answer"])
+        rec["id"] = str(rec.get("id", f"{path.stem}-{lineno}"))
+        if rec["id"] in first_line:
+            raise DataError(f"{path}:{lineno}: id '{rec['id']}' is already used on line {first_line[rec['id']]}; "
+                             f"give every question its own id")
+        first_line[rec["id"]] = lineno
+        records.append(rec)
     if not records:
-        raise BenchError(f"{path}: no records; the file is empty")
+        raise DataError(f"{path}: no records; the file is empty")
     return records
 
 
@@ -227,60 +256,90 @@ def load_bench(name: str, fetch=fetch_hub_rows) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Configuration: plain defaults (the paper's loop settings), presets on top, then the command line.
+# Every option states what it allows (a range or a list of choices); all are checked before anything loads.
 
-def opt(default, help):
-    return field(default=default, metadata={"help": help})
+@dataclass(frozen=True)
+class Range:
+    """Allowed numbers, written as an interval: [1, inf) excludes inf and nan, [1, inf] allows inf."""
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = True
+
+    def __contains__(self, x) -> bool:
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
+            return False
+        return (x > self.low if self.low_open else x >= self.low) and (x < self.high if self.high_open else x <= self.high)
+
+    def __str__(self):
+        end = lambda x: f"{x:g}" if math.isinf(x) or x != int(x) else str(int(x))  # noqa: E731
+        return f"{'(' if self.low_open else '['}{end(self.low)}, {end(self.high)}{')' if self.high_open else ']'}"
+
+
+COUNT, AT_LEAST_ONE, POSITIVE, NON_NEGATIVE = Range(0), Range(1), Range(0, low_open=True), Range(0)
+SHARE = Range(0, 1, high_open=False)
+
+
+def option(default, doc: str, allowed=None):
+    """A Config field: its default, its --help text, and what it allows (a Range, a tuple of choices, or None
+    for free text checked where it is used: paths and model names)."""
+    return field(default=default, metadata={"doc": doc, "allowed": allowed})
 
 
 @dataclass
 class Config:
     # what to train
-    bench: str = opt("demo", "benchmark: " + " | ".join(BENCHES))
-    limit: int = opt(0, "use only the first LIMIT questions of the benchmark (0 = all)")
-    model: str = opt("embedded", "policy: Hub id, local folder, .gguf file, or 'embedded' (offline Qwen2.5-Coder-0.5B-Instruct)")
-    verifier_model: str = opt("self", "verifier LLM: 'self' = frozen copy of the policy's starting weights "
-                              "(self-verification), or any --model value (coder-1.5b: the offline paper verifier)")
-    preset: str = opt("auto", "auto (cpu without a GPU, paper with one) | paper | cpu | none; explicit options override it")
+    bench: str = option("demo", "benchmark", tuple(BENCHES))
+    limit: int = option(0, "use only the first LIMIT questions of the benchmark (0 = all)", COUNT)
+    model: str = option("embedded", "policy: Hub id, local folder, .gguf file, or 'embedded' (offline Qwen2.5-Coder-0.5B-Instruct)")
+    verifier_model: str = option("self", "verifier LLM: 'self' = frozen copy of the policy's starting weights "
+                                 "(self-verification), or any --model value (coder-1.5b: the offline paper verifier)")
+    preset: str = option("auto", "auto (cpu without a GPU, paper with one); explicit options override it",
+                         ("auto", "paper", "cpu", "none"))
     # test-time RL
-    n_votes: int = opt(64, "N: rollouts sampled per question for the vote")
-    n_train: int = opt(32, "M: rollouts per question kept (at random) for the GRPO update ('vote then sample')")
-    questions_per_step: int = opt(8, "questions per step, all processes together")
-    episodes: int = opt(10, "passes over the benchmark (paper: 10 MATH-500, 30 AMC, 80 AIME 2024)")
-    max_steps: int = opt(0, "stop after this many steps (0 = as many as the episodes take)")
-    temperature: float = opt(0.6, "policy sampling temperature")
-    top_p: float = opt(0.95, "policy nucleus sampling mass")
-    max_new_tokens: int = opt(2560, "policy tokens per rollout")
-    backend: str = opt("kv", "sampler backend: kv (hand-written KV-cache sampler) | hf (transformers generate)")
-    sample_dtype: str = opt("auto", "sampling compute dtype: auto (bfloat16 where supported) | float32 | bfloat16")
+    n_votes: int = option(64, "N: rollouts sampled per question for the vote", AT_LEAST_ONE)
+    n_train: int = option(32, "M: rollouts per question kept (at random) for the GRPO update ('vote then sample'); "
+                          "GRPO compares rollouts within a group, so at least 2, at most N", Range(2))
+    questions_per_step: int = option(8, "questions per step, all processes together", AT_LEAST_ONE)
+    episodes: int = option(10, "passes over the benchmark (paper: 10 MATH-500, 30 AMC, 80 AIME 2024)", AT_LEAST_ONE)
+    max_steps: int = option(0, "stop after this many steps (0 = as many as the episodes take)", COUNT)
+    temperature: float = option(0.6, "policy sampling temperature (0 = greedy)", NON_NEGATIVE)
+    top_p: float = option(0.95, "policy nucleus sampling mass", Range(0, 1, low_open=True, high_open=False))
+    max_new_tokens: int = option(2560, "policy tokens per rollout", AT_LEAST_ONE)
+    backend: str = option("kv", "sampler backend: hand-written KV-cache sampler or transformers generate", ("kv", "hf"))
+    sample_dtype: str = option("auto", "sampling compute dtype (auto: bfloat16 where supported)",
+                               ("auto", "float32", "bfloat16"))
     # verification
-    verify: bool = opt(True, "tool-verify rollouts (--no-verify is TTRL, without the verifier's cost)")
-    omega: float = opt(5.0, "vote weight of a verified rollout: 1 = TTRL, inf = hard filtering")
-    verify_budget: int = opt(0, "verify at most K rollouts per answer class, the rest inherit (0 = verify all)")
-    verifier_max_new_tokens: int = opt(1024, "verifier tokens per program")
-    verifier_temperature: float = opt(0.6, "verifier sampling temperature")
-    sandbox_timeout: float = opt(5.0, "seconds each verifier program may run")
+    verify: bool = option(True, "tool-verify rollouts (--no-verify is TTRL, without the verifier's cost)")
+    omega: float = option(5.0, "vote weight of a verified rollout: 1 = TTRL, inf = hard filtering (several values "
+                          "with --replay)", Range(1, high_open=False))
+    verify_budget: int = option(0, "verify at most K rollouts per answer class, the rest inherit (0 = verify all)", COUNT)
+    verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
+    verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
+    sandbox_timeout: float = option(5.0, "seconds each verifier program may run", POSITIVE)
     # optimisation (GRPO)
-    lr: float = opt(5e-7, "peak learning rate (AdamW, cosine schedule over optimizer steps)")
-    warmup_ratio: float = opt(0.03, "share of the optimizer steps spent warming the learning rate up (TTRL: 0.03)")
-    mini_batch_questions: int = opt(1, "Q: an optimizer step per Q questions' kept rollouts, so ceil(questions per "
-                                       "step / Q) per step (TTRL: 1; 0 = one per step)")
-    scale_advantages: bool = opt(True, "divide advantages by their group's std (--no-scale-advantages: Dr. GRPO)")
-    weight_decay: float = opt(0.01, "AdamW weight decay")
-    clip: float = opt(0.2, "PPO ratio clip range (both sides)")
-    kl_coef: float = opt(0.0, "KL penalty to the starting policy (paper: 0)")
-    loss_agg: str = opt("token-mean", "loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum-norm")
-    micro_batch_tokens: int = opt(8192, "tokens per micro-batch (gradient accumulation over the rest)")
-    grad_checkpointing: bool = opt(True, "recompute activations in the backward pass to save memory")
-    bf16: bool = opt(True, "bfloat16 autocast over float32 master weights where the hardware supports it")
+    lr: float = option(5e-7, "peak learning rate (AdamW, cosine schedule over optimizer steps)", NON_NEGATIVE)
+    warmup_ratio: float = option(0.03, "share of the optimizer steps spent warming the learning rate up (TTRL: 0.03)",
+                                 SHARE)
+    mini_batch_questions: int = option(1, "Q: an optimizer step per Q questions' kept rollouts, so ceil(questions per "
+                                          "step / Q) per step (TTRL: 1; 0 = one per step)", COUNT)
+    scale_advantages: bool = option(True, "divide advantages by their group's std (--no-scale-advantages: Dr. GRPO)")
+    weight_decay: float = option(0.01, "AdamW weight decay", NON_NEGATIVE)
+    clip: float = option(0.2, "PPO ratio clip range (both sides)", Range(0, 1, low_open=True, high_open=False))
+    kl_coef: float = option(0.0, "KL penalty to the starting policy (paper: 0)", NON_NEGATIVE)
+    loss_agg: str = option("token-mean", "loss aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    micro_batch_tokens: int = option(8192, "tokens per micro-batch (gradient accumulation over the rest)", AT_LEAST_ONE)
+    grad_checkpointing: bool = option(True, "recompute activations in the backward pass to save memory")
+    bf16: bool = option(True, "bfloat16 autocast over float32 master weights where the hardware supports it")
     # evaluation and bookkeeping
-    eval_every: int = opt(0, "evaluate every K steps (0 = only before and after training)")
-    eval_samples: int = opt(4, "k for avg@k and maj@k (paper: 16 for AIME 2024, 4 otherwise; 0 = greedy only)")
-    save_every: int = opt(10, "checkpoint every K steps (and at the end)")
-    out_dir: str = opt("runs", "folder that holds the run folders")
-    run_name: str = opt("", "run folder name (default: bench-method-time)")
-    seed: int = opt(0, "seed for sampling, downsampling and initialisation")
-    resume: str = opt("", "continue the run in this folder from its last checkpoint")
-    eval_only: bool = opt(False, "evaluate the starting policy and stop: the baseline, no training")
+    eval_every: int = option(0, "evaluate every K steps (0 = only before and after training)", COUNT)
+    eval_samples: int = option(4, "k for avg@k and maj@k (paper: 16 for AIME 2024, 4 otherwise; 0 = greedy only)", COUNT)
+    save_every: int = option(10, "checkpoint every K steps (and at the end)", AT_LEAST_ONE)
+    out_dir: str = option("runs", "folder that holds the run folders")
+    run_name: str = option("", "run folder name (default: bench-method-time)")
+    seed: int = option(0, "seed for sampling, downsampling and initialisation", Range(0, 2**32 - 1, high_open=False))
+    resume: str = option("", "continue the run in this folder from its last checkpoint")
+    eval_only: bool = option(False, "evaluate the starting policy and stop: the baseline, no training")
 
 
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
@@ -291,81 +350,156 @@ PRESETS = {
                 mini_batch_questions=2),
     "none": {},
 }
+# options a resumed run may change: they decide when to evaluate and save, not what is computed
+RESUMABLE_CHANGES = ("eval_every", "save_every")
+REPLAY_OMEGAS = [1.0, 2.0, 5.0, 10.0, math.inf]
+
+
+class OptionError(ValueError):
+    """An option's value is outside what it allows; the message names the option, the value and the range."""
+
+
+@dataclass
+class Command:
+    """What the command line asks for: one mode and its inputs. train and eval run `train` (eval stops after
+    the baseline evaluation); replay re-votes a run's saved rollouts for each omega and loads no model."""
+    mode: str                                   # "train" | "eval" | "replay"
+    cfg: Config | None = None                   # train, eval
+    replay_dir: Path | None = None              # replay
+    omegas: list[float] = field(default_factory=list)
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """One parser for every mode. Options default to 'not given' (SUPPRESS), so the parsed namespace holds
+    exactly what the user typed, and presets or a resumed config.json fill in the rest."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], argument_default=argparse.SUPPRESS)
+    for f in fields(Config):
+        allowed = f.metadata["allowed"]
+        text = f.metadata["doc"] + (f"; one of {' | '.join(allowed)}" if isinstance(allowed, tuple) else "")
+        text += f" (default: {f.default})".replace("%", "%%")
+        if f.type in (bool, "bool"):
+            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, help=text)
+        else:
+            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+            parser.add_argument(flag(f.name), type=kind, help=text, **({"nargs": "+"} if f.name == "omega" else {}))
+    parser.add_argument("--replay", metavar="RUN_DIR", help="mode: re-vote a run's saved rollouts for each --omega given "
+                        f"(default: {' '.join(f'{w:g}' for w in REPLAY_OMEGAS)}) and print the ablation table; "
+                        "loads no model")
+    return parser
+
+
+def parse_command(argv=None) -> Command:
+    """The mode and its checked inputs; raises OptionError (one line) before anything heavy starts."""
+    given = vars(build_parser().parse_args(argv))
+    if "replay" in given:
+        others = sorted(flag(k) for k in given if k not in ("replay", "omega"))
+        if others:
+            raise OptionError(f"--replay takes only --omega; drop {', '.join(others)}")
+        omegas = given.get("omega", REPLAY_OMEGAS)
+        for omega in omegas:
+            check_value("omega", omega)
+        return Command("replay", replay_dir=Path(given["replay"]), omegas=omegas)
+    if "omega" in given:
+        if len(given["omega"]) > 1:
+            raise OptionError(f"--omega {' '.join(f'{w:g}' for w in given['omega'])}: one value for a run "
+                              "(several only with --replay RUN_DIR)")
+        given["omega"] = given["omega"][0]
+    cfg = resumed_config(given) if given.get("resume") else new_config(given)
+    return Command("eval" if cfg.eval_only else "train", cfg=cfg)
 
 
 def parse_config(argv=None) -> Config:
-    """Defaults, then the preset, then explicit options. Unknown options are an error."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    for f in fields(Config):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type is bool or f.type == "bool":
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=kind, default=f.default, help=f.metadata["help"])
-    parser.add_argument("--replay", metavar="RUN_DIR", help="recompute pseudo-labels from a run's saved rollouts for each "
-                        "--omega given (several allowed) and print the ablation table; loads no model")
-    given = _explicit_options(parser, argv)
-    args = parser.parse_args(argv)
-    if args.replay:
-        return args
+    """The Config of a train or eval command line (what tests and scripts call); --replay is main's."""
+    command = parse_command(argv)
+    if command.cfg is None:
+        raise OptionError("--replay is a mode of its own: run it through t3rl.main or the command line")
+    return command.cfg
+
+
+def new_config(given: dict) -> Config:
+    """Defaults, then the preset, then the options typed; the default run name is fixed here, once."""
     cfg = Config()
-    if args.resume:
-        saved = json.loads((Path(args.resume) / "config.json").read_text())
-        cfg = Config(**{k: v for k, v in saved.items() if k in {f.name for f in fields(Config)}})
-        cfg.resume = args.resume
-    else:
-        preset = args.preset if args.preset != "auto" else ("paper" if _has_gpu() else "cpu")
-        if preset not in PRESETS:
-            parser.error(f"--preset {args.preset}: choose auto, {', '.join(PRESETS)}")
-        for key, value in PRESETS[preset].items():
-            setattr(cfg, key, value)
-        bench = args.bench if "bench" in given else cfg.bench
-        if preset == "paper":
-            cfg.episodes = PAPER_EPISODES.get(bench, cfg.episodes)
-            cfg.eval_samples = 16 if bench == "aime2024" else 4
-        cfg.preset = preset
-    for key in given:
-        setattr(cfg, key, getattr(args, key))
-    _check_config(cfg, parser)
+    check_value("preset", given.get("preset", cfg.preset))
+    preset = given.get("preset", cfg.preset)
+    preset = preset if preset != "auto" else ("paper" if _has_gpu() else "cpu")
+    for key, value in PRESETS[preset].items():
+        setattr(cfg, key, value)
+    if preset == "paper":
+        bench = given.get("bench", cfg.bench)
+        cfg.episodes = PAPER_EPISODES.get(bench, cfg.episodes)
+        cfg.eval_samples = 16 if bench == "aime2024" else 4
+    for key, value in given.items():
+        setattr(cfg, key, value)
+    cfg.preset = preset
+    check_config(cfg)
+    if not cfg.run_name:
+        cfg.run_name = free_run_name(cfg)
     return cfg
 
 
-def _explicit_options(parser, argv) -> set[str]:
-    """Names of the options the user typed (so a preset never overrides them)."""
-    shadow = argparse.ArgumentParser(add_help=False)
-    for action in parser._actions:
-        if action.option_strings and action.dest != "help":
-            kwargs = {"nargs": action.nargs} if action.nargs else {}
-            if isinstance(action, argparse.BooleanOptionalAction):
-                shadow.add_argument(*action.option_strings, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
-            else:
-                shadow.add_argument(*action.option_strings, dest=action.dest, default=argparse.SUPPRESS, **kwargs)
-    known, _ = shadow.parse_known_args(argv)
-    return set(vars(known)) - {"preset"}
+def resumed_config(given: dict) -> Config:
+    """The saved config.json of the run in --resume; options typed beside --resume must match it, except
+    those in RESUMABLE_CHANGES (listed when they change)."""
+    run_dir = Path(given["resume"])
+    path = run_dir / "config.json"
+    if not path.is_file():
+        what = "no such folder" if not run_dir.is_dir() else "no config.json in it"
+        raise OptionError(f"--resume {run_dir}: {what}; pass a run folder written by t3rl.py "
+                          f"(or start a new run without --resume)")
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        cfg = Config(**{k: v for k, v in saved.items() if k in {f.name for f in fields(Config)}})
+    except (ValueError, TypeError) as err:
+        raise OptionError(f"{path}: damaged ({err}); restore it from a copy, or start a new run") from None
+    changed = {k: v for k, v in given.items() if k not in ("resume", "preset") and v != getattr(cfg, k)}
+    refused = [f"{flag(k)} {v} (the run has {getattr(cfg, k)})" for k, v in changed.items() if k not in RESUMABLE_CHANGES]
+    if refused:
+        raise OptionError(f"--resume {run_dir}: {'; '.join(refused)}; a resumed run keeps its config.json: drop "
+                          f"{'these options' if len(refused) > 1 else 'that option'}, or start a new run with them")
+    for key, value in changed.items():
+        print(f"[t3rl] --resume: {flag(key)} {getattr(cfg, key)} -> {value}", file=sys.stderr)
+        setattr(cfg, key, value)
+    cfg.resume = str(run_dir)
+    check_config(cfg, source=f"{path}: ")
+    return cfg
 
 
-def _check_config(cfg: Config, parser):
-    if cfg.bench not in BENCHES:
-        parser.error(f"--bench {cfg.bench}: choose one of {', '.join(BENCHES)}")
-    if not 1 <= cfg.n_train <= cfg.n_votes:
-        parser.error(f"--n-train {cfg.n_train}: must be between 1 and --n-votes ({cfg.n_votes})")
-    if cfg.n_train < 2:
-        parser.error("--n-train must be at least 2: GRPO compares rollouts within a group")
-    if cfg.mini_batch_questions < 0:
-        parser.error(f"--mini-batch-questions {cfg.mini_batch_questions}: give Q >= 1 questions per optimizer step, "
-                     "or 0 for one optimizer step per step")
-    if cfg.omega < 1:
-        parser.error(f"--omega {cfg.omega}: must be >= 1 (1 = TTRL, inf = hard filtering)")
-    if cfg.backend not in ("kv", "hf"):
-        parser.error(f"--backend {cfg.backend}: choose kv or hf")
-    if cfg.sample_dtype not in ("auto", "float32", "bfloat16"):
-        parser.error(f"--sample-dtype {cfg.sample_dtype}: choose auto, float32 or bfloat16")
-    if cfg.loss_agg not in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
-        parser.error(f"--loss-agg {cfg.loss_agg}: choose token-mean, seq-mean-token-mean or seq-mean-token-sum-norm")
-    if cfg.resume and not (Path(cfg.resume) / "config.json").is_file():
-        parser.error(f"--resume {cfg.resume}: no config.json there; pass a run folder written by t3rl.py")
+def check_value(name: str, value):
+    allowed = Config.__dataclass_fields__[name].metadata["allowed"]
+    if isinstance(allowed, Range) and value not in allowed:
+        raise OptionError(f"{flag(name)} {value}: must be in {allowed}")
+    if isinstance(allowed, tuple) and value not in allowed:
+        raise OptionError(f"{flag(name)} {value}: choose one of {', '.join(allowed)}")
+
+
+def check_config(cfg: Config, source: str = ""):
+    """Every option against what it allows, then the ones that depend on each other, then the model names
+    (cheaply: a path that exists, a GGUF's magic, a Hub id that is cached or reachable), before anything loads."""
+    try:
+        for f in fields(Config):
+            check_value(f.name, getattr(cfg, f.name))
+        if cfg.n_train > cfg.n_votes:
+            raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes ({cfg.n_votes}); "
+                              f"M rollouts are kept out of the N sampled")
+    except OptionError as err:
+        raise OptionError(f"{source}{err}") from None
+    check_spec(cfg.model, "--model")
+    if cfg.verifier_model != "self":
+        check_spec(cfg.verifier_model, "--verifier-model")
+
+
+def free_run_name(cfg: Config) -> str:
+    """bench-method-time, with a suffix when that folder already holds a run (two runs started in one second)."""
+    method = "ttrl" if not cfg.verify or cfg.omega == 1 else f"t3rl-w{cfg.omega:g}"
+    name = f"{cfg.bench}-{method}-{time.strftime('%Y%m%d-%H%M%S')}"
+    suffix = 1
+    while run_started(Path(cfg.out_dir) / (name if suffix == 1 else f"{name}-{suffix}")):
+        suffix += 1
+    return name if suffix == 1 else f"{name}-{suffix}"
 
 
 def _has_gpu() -> bool:
@@ -479,16 +613,55 @@ def format_eval(result: dict) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Run folder: config, metrics.jsonl, rollouts.jsonl, checkpoint/ (written atomically)
+# Run folder: config.json, metrics.jsonl, rollouts.jsonl, checkpoint/ and the previous one, checkpoint.old/.
+# Every file is replaced atomically (written aside, then renamed) or appended to; resume repairs what a kill
+# can leave: a half-written last JSONL line, a damaged newest checkpoint, a leftover temporary folder.
 
-def new_run_dir(cfg: Config) -> Path:
-    method = "ttrl" if not cfg.verify or cfg.omega == 1 else f"t3rl-w{cfg.omega:g}"
-    name = cfg.run_name or f"{cfg.bench}-{method}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return Path(cfg.out_dir) / name
+class RunDirError(RuntimeError):
+    """A run folder cannot be used as asked; the message names the folder or file and what to do."""
+
+
+def run_dir_of(cfg: Config) -> Path:
+    return Path(cfg.resume) if cfg.resume else Path(cfg.out_dir) / cfg.run_name
+
+
+def run_started(run_dir: Path) -> bool:
+    """Whether a folder holds a run's results (a folder with only config.json is a start that never ran)."""
+    return any((run_dir / name).exists() for name in ("metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.old"))
+
+
+def open_run_dir(cfg: Config) -> Path:
+    """Create (or, with --resume, check) the run folder before any model loads: an unwritable --out-dir, a
+    reused name or a finished run stop here, in one line."""
+    run_dir = run_dir_of(cfg)
+    if cfg.resume:
+        finished = [r for r in read_jsonl_rows(run_dir / "metrics.jsonl") if r.get("final")]
+        if finished:
+            raise RunDirError(f"--resume {run_dir}: the run is finished (final evaluation at step {finished[-1]['step']} "
+                              f"in metrics.jsonl); read it with --replay {run_dir}, or start a new run with another "
+                              f"--run-name")
+        return run_dir
+    if run_started(run_dir):
+        raise RunDirError(f"run folder {run_dir} already holds a run; continue it with --resume {run_dir}, or "
+                          f"pick another --run-name (or --out-dir)")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomically(run_dir / "config.json", json.dumps(asdict(cfg), indent=2))
+    except OSError as err:
+        raise RunDirError(f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir} "
+                          f"({err.strerror or err}); pass a writable --out-dir") from None
+    return run_dir
+
+
+def write_atomically(path: Path, text: str):
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def read_jsonl_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    """The rows of a run's metrics.jsonl or rollouts.jsonl (none when the file is missing)."""
+    return [row for _, row in jsonl_objects(path, torn_tail_ok=True)] if path.is_file() else []
 
 
 def append_jsonl(path: Path, rows: list[dict]):
@@ -497,17 +670,16 @@ def append_jsonl(path: Path, rows: list[dict]):
 
 
 def keep_jsonl(path: Path, keep):
-    """Rewrite a JSONL file with only the rows `keep` accepts (resume drops what came after the checkpoint)."""
+    """Rewrite a JSONL file with only the rows `keep` accepts (resume drops what came after the checkpoint,
+    and a torn last line with it)."""
     if path.is_file():
-        rows = read_jsonl_rows(path)
-        tmp = path.with_name(path.name + f".tmp-{os.getpid()}")
-        tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows if keep(r)), encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in read_jsonl_rows(path) if keep(r)))
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, acc):
     """checkpoint/ = model and tokenizer (save_pretrained, a loadable --model folder) + optimizer, scheduler,
-    RNG states and step; swapped in atomically."""
+    RNG states and step. Written as checkpoint.tmp/, then swapped in; the one it replaces stays as
+    checkpoint.old/, the fallback if the new one is ever found damaged."""
     if acc.is_main_process:
         tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -516,18 +688,53 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}, tmp / "state.pt")
         if final.exists():
+            if old.exists():
+                shutil.rmtree(old)
             os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
     acc.wait_for_everyone()
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The last complete checkpoint (checkpoint.old survives a crash between the two renames)."""
-    for name in ("checkpoint", "checkpoint.old"):
-        if (run_dir / name / "state.pt").is_file():
-            return run_dir / name
+def checkpoint_damage(checkpoint: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed from (a missing file, truncated weights), or None. Cheap:
+    reads the safetensors headers, not the weights."""
+    model_dir = checkpoint / "model"
+    weights = sorted(model_dir.glob("*.safetensors"))
+    for needed in (checkpoint / "state.pt", model_dir / "config.json", *(weights or [model_dir / "model.safetensors"])):
+        if not needed.is_file():
+            return f"{needed.relative_to(checkpoint.parent)} is missing"
+    for path in weights:
+        with open(path, "rb") as fh:
+            size = int.from_bytes(fh.read(8), "little")
+            try:
+                header = json.loads(fh.read(size))
+                end = max(t["data_offsets"][1] for k, t in header.items() if k != "__metadata__")
+            except (ValueError, KeyError, TypeError):
+                return f"{path.relative_to(checkpoint.parent)} has a damaged header"
+        if path.stat().st_size < 8 + size + end:
+            return f"{path.relative_to(checkpoint.parent)} is truncated"
     return None
+
+
+def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
+    """The newest complete checkpoint and its state (step, optimizer, scheduler, RNG). A damaged one is set
+    aside as checkpoint.damaged/ (kept for inspection) and the previous one, checkpoint.old/, is used."""
+    for name in ("checkpoint", "checkpoint.old"):
+        checkpoint = run_dir / name
+        if not checkpoint.exists():
+            continue
+        problem = checkpoint_damage(checkpoint)
+        if problem is None:
+            try:
+                return checkpoint, torch.load(checkpoint / "state.pt", weights_only=False, map_location="cpu")
+            except Exception as err:  # truncated or corrupt pickle: EOFError, RuntimeError, UnpicklingError, ...
+                problem = f"{name}/state.pt is damaged ({type(err).__name__})"
+        damaged = run_dir / "checkpoint.damaged"
+        shutil.rmtree(damaged, ignore_errors=True)
+        os.replace(checkpoint, damaged)
+        print(f"[t3rl] {run_dir}: {problem}; moved it to {damaged.name}/ and falling back to the previous "
+              f"checkpoint", file=sys.stderr)
+    return None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -555,17 +762,34 @@ def build_verifier(cfg: Config, device):
                           temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed, backend=cfg.backend)
 
 
+def check_prompts_fit(records: list[dict], tokenizer, model, cfg: Config):
+    """Stop before any sampling when a question's prompt plus --max-new-tokens exceeds the policy's context
+    (skipping it silently would change the benchmark)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    for rec in records if context else []:
+        n = len(tokenizer(policy_prompt(tokenizer, rec["problem"]), add_special_tokens=False)["input_ids"])
+        if n + cfg.max_new_tokens > context:
+            fix = f"lower --max-new-tokens to {context - n}, or " if n < context else ""
+            raise DataError(f"question {rec['id']} of --bench {cfg.bench}: its prompt ({n} tokens) + --max-new-tokens "
+                            f"{cfg.max_new_tokens} exceeds the policy's context of {context} tokens; the run stops "
+                            f"here: {fix}remove that question from the benchmark file")
+
+
 def train(cfg: Config) -> Path:
     acc = Accelerator(cpu=not _has_gpu())
     set_seed(cfg.seed)
-    run_dir = Path(cfg.resume) if cfg.resume else new_run_dir(cfg)
+    run_dir = open_run_dir(cfg) if acc.is_main_process else run_dir_of(cfg)
+    acc.wait_for_everyone()
     records = load_bench(cfg.bench)[:cfg.limit or None]
     batches = question_batches(records, cfg)
-    checkpoint = latest_checkpoint(run_dir) if cfg.resume else None
-    if cfg.resume and checkpoint is None:
-        raise SystemExit(f"--resume {run_dir}: no checkpoint in it yet; start the run again without --resume")
+    check_hub(cfg.model, "--model")
+    if cfg.verifier_model != "self":
+        check_hub(cfg.verifier_model, "--verifier-model")
+    with acc.main_process_first():  # the main process sets a damaged checkpoint aside before the others look
+        checkpoint, state = load_checkpoint(run_dir) if cfg.resume else (None, None)
 
     policy, tokenizer = load_model(str(checkpoint / "model") if checkpoint else cfg.model)
+    check_prompts_fit(records, tokenizer, policy, cfg)
     verifier = build_verifier(cfg, acc.device)
     ref_model = load_model(cfg.model)[0].requires_grad_(False).to(acc.device) if cfg.kl_coef > 0 else None
     policy.train()
@@ -574,8 +798,7 @@ def train(cfg: Config) -> Path:
     optimizer_steps = sum(-(-len(b) // (cfg.mini_batch_questions or len(b))) for b in batches)
     scheduler = cosine_schedule(optimizer, total_steps=optimizer_steps, warmup_steps=int(cfg.warmup_ratio * optimizer_steps))
     start = 0
-    if checkpoint:
-        state = torch.load(checkpoint / "state.pt", weights_only=False)
+    if state:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         random.setstate(state["rng"]["python"])
@@ -585,12 +808,12 @@ def train(cfg: Config) -> Path:
     policy, optimizer = acc.prepare(policy, optimizer)
 
     if acc.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
-        keep_jsonl(run_dir / "metrics.jsonl", lambda r: r["step"] < start or (r["kind"] == "eval" and r["step"] <= start))
+        # rows written after the checkpoint are computed again; from step 0 that is all of them
+        keep_jsonl(run_dir / "metrics.jsonl", lambda r: start and (r["step"] < start or (r["kind"] == "eval" and r["step"] <= start)))
         keep_jsonl(run_dir / "rollouts.jsonl", lambda r: r["step"] < start)
         print(f"[t3rl] run folder {run_dir}; {len(records)} questions, {len(batches)} steps"
-              + (f", resuming after step {start}" if start else ""), file=sys.stderr)
+              + (f", resuming after step {start}" if start else ", no checkpoint yet: from step 0" if cfg.resume else ""),
+              file=sys.stderr)
 
     def log(row):
         if acc.is_main_process:
@@ -602,7 +825,7 @@ def train(cfg: Config) -> Path:
             print(f"[t3rl] sandbox: {pool.report}", file=sys.stderr)
         if start == 0:
             before = evaluate(policy, tokenizer, records, cfg, acc, verifier, pool)
-            log({"kind": "eval", "step": 0, **before})
+            log({"kind": "eval", "step": 0, **before, **({"final": True} if cfg.eval_only else {})})
             acc.print(f"eval before training: {format_eval(before)}")
             if cfg.eval_only:
                 return run_dir
@@ -733,13 +956,17 @@ def format_step(row: dict, total: int) -> str:
 def summary(run_dir: Path) -> str:
     """Before vs after evaluation, and TTRL (majority) vs T3RL (weighted) pseudo-label accuracy during training."""
     rows = read_jsonl_rows(run_dir / "metrics.jsonl")
-    evals = [r for r in rows if r["kind"] == "eval"]
     train_rows = [r for r in rows if r["kind"] == "train"]
-    before, after = evals[0], evals[-1]
+    # "before" is the step-0 evaluation only: if metrics.jsonl lost it, the table says so instead of showing another
+    before = next((r for r in rows if r["kind"] == "eval" and r["step"] == 0 and not r.get("final")), {})
+    after = next((r for r in reversed(rows) if r.get("final")), {})
     lines = [f"summary of {run_dir}", f"{'metric':<28}{'before':>10}{'after':>10}"]
-    for key in before:
-        if key not in ("kind", "step", "final", "by_level") and isinstance(before[key], (int, float)):
-            lines.append(f"{key:<28}{before[key]:>10.3f}{after.get(key, float('nan')):>10.3f}")
+    if not before:
+        lines.append(f"(no step-0 evaluation in {run_dir / 'metrics.jsonl'}: the file was cut or deleted; 'before' is unknown)")
+    for key in before or after:
+        if key not in ("kind", "step", "final", "by_level") and isinstance((before or after)[key], (int, float)):
+            fmt = lambda row: f"{row[key]:>10.3f}" if key in row else f"{'-':>10}"  # noqa: E731
+            lines.append(f"{key:<28}{fmt(before)}{fmt(after)}")
     if train_rows:
         mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)  # noqa: E731
         lines.append(f"{'training steps':<28}{len(train_rows):>10}")
@@ -787,6 +1014,9 @@ def plot_run(run_dir: Path):
 
 def replay(run_dir: Path, omegas: list[float]) -> str:
     """Re-vote every saved rollout group with each omega: label accuracy, reward accuracy and flips, no model needed."""
+    for name in ("config.json", "rollouts.jsonl"):
+        if not (run_dir / name).is_file():
+            raise RunDirError(f"--replay {run_dir}: no {name} there; pass a run folder written by t3rl.py")
     cfg = json.loads((run_dir / "config.json").read_text())
     gold = {r["id"]: r["answer"] for r in load_bench(cfg["bench"])}
     groups = {}
@@ -809,21 +1039,23 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
 
 
 def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
-    if "--replay" in argv:
-        parser = argparse.ArgumentParser(description="the omega ablation, replayed from a run's saved rollouts")
-        parser.add_argument("--replay", required=True, metavar="RUN_DIR")
-        parser.add_argument("--omega", type=float, nargs="+", default=[1.0, 2.0, 5.0, 10.0, math.inf])
-        args = parser.parse_args(argv)
-        if not (Path(args.replay) / "rollouts.jsonl").is_file():
-            parser.error(f"--replay {args.replay}: no rollouts.jsonl there; pass a run folder written by t3rl.py")
-        print(replay(Path(args.replay), args.omega))
-        return
-    train(parse_config(argv))
+    """One parser, one dispatch on the mode. A user's mistake, a damaged file or Ctrl-C ends in one line."""
+    command = None
+    try:
+        command = parse_command(argv)
+        if command.mode == "replay":
+            print(replay(command.replay_dir, command.omegas))
+        else:  # train, and eval: train stops after the baseline evaluation
+            train(command.cfg)
+    except (OptionError, DataError, ModelLoadError, RunDirError) as err:
+        raise SystemExit(f"error: {err}") from None
+    except KeyboardInterrupt:
+        if command is None or command.cfg is None:
+            raise SystemExit("interrupted") from None
+        run_dir = run_dir_of(command.cfg)
+        raise SystemExit(f"interrupted: {run_dir} holds every step up to its last checkpoint; continue with: "
+                         f"python t3rl.py --resume {run_dir}") from None
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (BenchError, ModelLoadError) as err:
-        raise SystemExit(f"error: {err}")
+    main()

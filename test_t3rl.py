@@ -188,14 +188,14 @@ def test_unknown_bench_is_rejected():
 def test_malformed_json_names_file_and_line(tmp_path, monkeypatch):
     (tmp_path / "amc.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "oops"\n')
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path))
-    with pytest.raises(t3rl.BenchError, match=r"amc.jsonl:2: invalid JSON"):
+    with pytest.raises(t3rl.DataError, match=r"amc.jsonl:2: invalid JSON"):
         t3rl.load_bench("amc")
 
 
 def test_record_without_answer_names_file_and_line(tmp_path, monkeypatch):
     (tmp_path / "amc.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2"}\n')
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path))
-    with pytest.raises(t3rl.BenchError, match=r"amc.jsonl:3: record has no 'answer'"):
+    with pytest.raises(t3rl.DataError, match=r"amc.jsonl:3: record has no 'answer'"):
         t3rl.load_bench("amc")
 
 
