@@ -163,18 +163,17 @@ def jsonl_objects(path: Path, torn_tail_ok: bool = False):
     for lineno, raw in enumerate(lines, start=1):
         try:
             line = raw.decode("utf-8")
-        except UnicodeDecodeError as err:
-            raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
-                             f"save the file as UTF-8") from None
-        if not line.strip():
-            continue
-        try:
+            if not line.strip():
+                continue
             obj = json.loads(line)
-        except json.JSONDecodeError as err:
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
             if torn_tail_ok and lineno == len(lines):
                 print(f"[t3rl] {path}:{lineno}: dropped a half-written last line (left by a kill during a write)",
                       file=sys.stderr)
                 return
+            if isinstance(err, UnicodeDecodeError):
+                raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
+                                f"save the file as UTF-8") from None
             raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg}); fix or delete that line") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
@@ -635,6 +634,8 @@ def open_run_dir(cfg: Config) -> Path:
     reused name or a finished run stop here, in one line."""
     run_dir = run_dir_of(cfg)
     if cfg.resume:
+        for name in ("metrics.jsonl", "rollouts.jsonl"):
+            drop_torn_tail(run_dir / name)
         finished = [r for r in read_jsonl_rows(run_dir / "metrics.jsonl") if r.get("final")]
         if finished:
             raise RunDirError(f"--resume {run_dir}: the run is finished (final evaluation at step {finished[-1]['step']} "
@@ -674,6 +675,16 @@ def keep_jsonl(path: Path, keep):
     and a torn last line with it)."""
     if path.is_file():
         write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in read_jsonl_rows(path) if keep(r)))
+
+
+def drop_torn_tail(path: Path):
+    """Rewrite a JSONL file whose last line was cut by a kill during an append, without that line (a file
+    that ends in a newline is left alone)."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                keep_jsonl(path, lambda row: True)
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, acc):

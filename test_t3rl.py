@@ -8,6 +8,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import subprocess
@@ -1769,8 +1770,11 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
             raise KeyboardInterrupt
         return real_step(*args, **kwargs)
     monkeypatch.setattr(t3rl, "grpo_step", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "b")))
+    with pytest.raises(SystemExit) as stop:  # Ctrl-C: one line with the command that continues the run
+        t3rl.main(tiny_argv(tiny_dir, tmp_path / "b"))
+    run = tmp_path / "b" / "run"
+    assert stop.value.code == (f"interrupted: {run} holds every step up to its last checkpoint; continue with: "
+                               f"python t3rl.py --resume {run}")
     monkeypatch.setattr(t3rl, "grpo_step", real_step)
     resumed = t3rl.train(t3rl.parse_config(["--resume", str(tmp_path / "b" / "run")]))
 
@@ -1785,10 +1789,16 @@ def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, pat
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
     capsys.readouterr()
-    t3rl.main(["--replay", str(run), "--omega", "1", "5", "inf"])
-    table = capsys.readouterr().out.splitlines()
+    monkeypatch.setattr(t3rl, "load_model", lambda *a, **k: pytest.fail("replay loaded a model"))
+    tables = []
+    for spelling in (["--replay", str(run)], [f"--replay={run}"]):  # one parser: both spellings are the replay mode
+        t3rl.main([*spelling, "--omega", "1", "5", "inf"])
+        tables.append(capsys.readouterr().out)
+    assert tables[0] == tables[1]
+    table = tables[0].splitlines()
     assert "4 rollout groups" in table[0] and [line.split()[0] for line in table[2:]] == ["1", "5", "inf"]
     assert table[2].split()[3] == "0"  # omega = 1 is the majority vote itself: no flips
+    assert not (run.parent / "runs").exists() and sorted(p.name for p in run.parent.iterdir()) == ["run"]
 
 
 LAUNCHED = """import sys
@@ -2062,3 +2072,229 @@ def test_knk_training_step_votes_with_solver_verified_rollouts(tiny_dir, tmp_pat
     metrics = rows(run, "metrics.jsonl")
     assert [m["kind"] for m in metrics] == ["eval", "train", "eval"]
     assert set(metrics[0]["by_level"]) == {"2", "3"} and metrics[1]["verifier_precision"] == 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad inputs and damaged run folders: one line naming the input and the fix, before any model loads where the
+# input allows it, and no run or checkpoint lost
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tokenizer):
+    """A finished 4-step tiny run (checkpoints at steps 2 and 4) and the model and benchmark it used."""
+    root = tmp_path_factory.mktemp("finished")
+    make_tiny_model(len(tokenizer)).save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    write_bench(root / "data", QUESTIONS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("T3RL_DATA_DIR", str(root / "data"))
+        mp.setattr(t3rl, "extract_answer", fake_answer)
+        mp.setattr(t3rl, "build_verifier", lambda cfg, device: scripted_verifier if cfg.verify else None)
+        run = t3rl.train(t3rl.parse_config(tiny_argv(root / "tiny", root / "out", max_steps=4, save_every=2)))
+    assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
+    return run
+
+
+def snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def copy_run(run: Path, dest: Path, final=True, upto=None) -> Path:
+    """A copy of the finished run; without its final evaluation, or cut back to its step-`upto` checkpoint
+    (what a kill leaves behind)."""
+    shutil.copytree(run, dest)
+    if upto is not None:
+        shutil.rmtree(dest / "checkpoint")
+        os.replace(dest / "checkpoint.old", dest / "checkpoint")
+    keep = lambda r: (final or not r.get("final")) and (upto is None or r["step"] < upto or r.get("kind") == "eval" and r["step"] == 0)  # noqa: E731,E501
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        (dest / name).write_text("".join(json.dumps(r) + "\n" for r in rows(dest, name) if keep(r)))
+    return dest
+
+
+def argv_for(ctx, *args, out_dir=None, **extra):
+    return tiny_argv(ctx["tiny"], out_dir or ctx["tmp"] / "out", **extra) + list(args)
+
+
+def bench_file(ctx, text: bytes):
+    (ctx["tmp"] / "data").mkdir()
+    (ctx["tmp"] / "data" / "demo.jsonl").write_bytes(text)
+    ctx["env"]["T3RL_DATA_DIR"] = str(ctx["tmp"] / "data")
+    return argv_for(ctx)
+
+
+def run_copy(ctx, **kwargs) -> Path:
+    ctx["run"] = copy_run(ctx["finished"], ctx["tmp"] / "run", **kwargs)
+    return ctx["run"]
+
+
+def edit_config(run: Path, **changes) -> Path:
+    config = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**config, **changes}))
+    return run
+
+
+Q = lambda i, problem="What is 1 + 1?", **extra: json.dumps({"id": f"q{i}", "problem": problem, "answer": "2", **extra})  # noqa: E731,E501
+# (name, the bad input: ctx -> argv, the line it must get)
+BAD_INPUTS = [
+    ("limit", lambda c: argv_for(c, limit=-5), r"--limit -5: must be in \[0, inf\)"),
+    ("max-steps", lambda c: argv_for(c, max_steps=-1), r"--max-steps -1: must be in \[0, inf\)"),
+    ("omega nan", lambda c: argv_for(c, omega="nan"), r"--omega nan: must be in \[1, inf\]"),
+    ("omega below 1", lambda c: argv_for(c, omega=0.5), r"--omega 0.5: must be in \[1, inf\]"),
+    ("omega list", lambda c: argv_for(c, "--omega", "1", "5"), r"--omega 1 5: one value for a run \(several only with --replay"),
+    ("max-new-tokens", lambda c: argv_for(c, max_new_tokens=0), r"--max-new-tokens 0: must be in \[1, inf\)"),
+    ("lr negative", lambda c: argv_for(c, lr=-1), r"--lr -1.0: must be in \[0, inf\)"),
+    ("lr inf", lambda c: argv_for(c, lr="inf"), r"--lr inf: must be in \[0, inf\)"),
+    ("questions-per-step", lambda c: argv_for(c, questions_per_step=0), r"--questions-per-step 0: must be in \[1, inf\)"),
+    ("top-p", lambda c: argv_for(c, top_p=2), r"--top-p 2.0: must be in \(0, 1\]"),
+    ("temperature", lambda c: argv_for(c, temperature=-1), r"--temperature -1.0: must be in \[0, inf\)"),
+    ("verify-budget", lambda c: argv_for(c, verify_budget=-1), r"--verify-budget -1: must be in \[0, inf\)"),
+    ("eval-samples", lambda c: argv_for(c, eval_samples=-1), r"--eval-samples -1: must be in \[0, inf\)"),
+    ("episodes", lambda c: argv_for(c, episodes=0), r"--episodes 0: must be in \[1, inf\)"),
+    ("save-every", lambda c: argv_for(c, save_every=0), r"--save-every 0: must be in \[1, inf\)"),
+    ("n-votes", lambda c: argv_for(c, n_votes=0), r"--n-votes 0: must be in \[1, inf\)"),
+    ("n-train one", lambda c: argv_for(c, n_train=1), r"--n-train 1: must be in \[2, inf\)"),
+    ("n-train above n-votes", lambda c: argv_for(c, n_train=5), r"--n-train 5: must be at most --n-votes \(4\)"),
+    ("warmup-ratio", lambda c: argv_for(c, warmup_ratio=1.5), r"--warmup-ratio 1.5: must be in \[0, 1\]"),
+    ("sandbox-timeout", lambda c: argv_for(c, sandbox_timeout=0), r"--sandbox-timeout 0.0: must be in \(0, inf\)"),
+    ("seed", lambda c: argv_for(c, seed=-1), r"--seed -1: must be in \[0, 4294967295\]"),
+    ("bench", lambda c: argv_for(c, bench="gsm8k"), r"--bench gsm8k: choose one of math500, aime2024, amc, demo"),
+    ("backend", lambda c: argv_for(c, backend="tpu"), r"--backend tpu: choose one of kv, hf"),
+    ("verifier-model", lambda c: argv_for(c, verifier_model="nonexistent"), r"--verifier-model nonexistent: not a folder"),
+    ("model folder", lambda c: argv_for(c, model="./no/such/folder"), r"--model ./no/such/folder: not a folder"),
+    ("model not gguf", lambda c: (c["tmp"] / "m.gguf").write_bytes(b"PK\x03\x04") and argv_for(c, model=c["tmp"] / "m.gguf"),
+     r"--model .*m.gguf: not a GGUF file \(bad magic\)"),
+    ("out-dir is a file", lambda c: (c["tmp"] / "f").write_text("x") and argv_for(c, out_dir=c["tmp"] / "f"),
+     r"--out-dir .*/f: cannot write the run folder .*; pass a writable --out-dir"),
+    ("out-dir under /proc", lambda c: argv_for(c, out_dir="/proc/t3rl-runs"), r"--out-dir /proc/t3rl-runs: cannot write"),
+    ("reused run name", lambda c: argv_for(c, out_dir=run_copy(c).parent),
+     r"run folder .*/run already holds a run; continue it with --resume .*/run, or pick another --run-name"),
+    ("resume a finished run", lambda c: ["--resume", str(run_copy(c))], r"the run is finished .*read it with --replay"),
+    ("resume with other options", lambda c: ["--resume", str(run_copy(c, final=False)), "--lr", "0.5", "--n-votes=8"],
+     r"--lr 0.5 \(the run has 0.001\); --n-votes 8 \(the run has 4\); a resumed run keeps its config.json"),
+    ("resume without config.json", lambda c: (run_copy(c, final=False) / "config.json").unlink() or ["--resume", str(c["run"])],
+     r"--resume .*/run: no config.json in it; pass a run folder written by t3rl.py"),
+    ("resume a damaged config.json", lambda c: (run_copy(c, final=False) / "config.json").write_text('{"lr": ') and
+     ["--resume", str(c["run"])], r"run/config.json: damaged .*restore it"),
+    ("resume a config.json edited wrong", lambda c: ["--resume", str(edit_config(run_copy(c, final=False), lr=-1))],
+     r"run/config.json: --lr -1: must be in \[0, inf\)"),
+    ("resume no folder", lambda c: ["--resume", str(c["tmp"] / "nothing")], r"--resume .*/nothing: no such folder"),
+    ("replay with training options", lambda c: ["--replay", str(run_copy(c)), "--lr", "1"], r"--replay takes only --omega; drop --lr"),
+    ("replay an empty folder", lambda c: ["--replay=" + str(c["tmp"])], r"--replay .*: no config.json there"),
+    ("replay bad omega", lambda c: ["--replay", str(run_copy(c)), "--omega", "5", "0"], r"--omega 0.0: must be in \[1, inf\]"),
+    ("replay damaged rollouts", lambda c: (run_copy(c) / "rollouts.jsonl").write_text('{"step": 0}\n{"ste\n{"step": 1}\n') and
+     ["--replay", str(c["run"])], r"rollouts.jsonl:2: invalid JSON .*fix or delete that line"),
+    ("bench not UTF-8", lambda c: bench_file(c, (Q(0) + '\n{"id": "q1", "problem": "caf\xe9", "answer": "2"}\n').encode("latin-1")),
+     r"demo.jsonl:2: not UTF-8 \(byte 0xe9 at column 29\); save the file as UTF-8"),
+    ("bench problem not a string", lambda c: bench_file(c, (Q(0, [1, 2]) + "\n").encode()),
+     r"demo.jsonl:1: 'problem' is a list, not a string"),
+    ("bench duplicate ids", lambda c: bench_file(c, (Q(0) + "\n" + Q(1) + "\n" + Q(0, "What is 2 + 2?") + "\n").encode()),
+     r"demo.jsonl:3: id 'q0' is already used on line 1; give every question its own id"),
+    ("bench invalid JSON", lambda c: bench_file(c, (Q(0) + '\n{"problem": \n' + Q(2) + "\n").encode()), r"demo.jsonl:2: invalid JSON"),
+    ("bench without answers", lambda c: bench_file(c, b'{"problem": "1 + 1"}\n'), r"demo.jsonl:1: record has no 'answer'"),
+    ("bench empty", lambda c: bench_file(c, b"\n"), r"demo.jsonl: no records; the file is empty"),
+]
+# inputs that can only be judged with the model at hand (they still fail before any sampling)
+NEEDS_A_MODEL = [
+    ("GGUF with a garbage body", lambda c: (c["tmp"] / "g.gguf").write_bytes(b"GGUF" + bytes(range(256)) * 64)
+     and argv_for(c, model=c["tmp"] / "g.gguf"), r"g.gguf: GGUF header but unreadable contents .*re-download"),
+    ("prompt longer than the context", lambda c: bench_file(c, (Q(0) + "\n" + Q(1, "What is 1 + 1? " * 400) + "\n").encode()),
+     r"question q1 of --bench demo: its prompt \(\d+ tokens\) \+ --max-new-tokens 12 exceeds the policy's context of "
+     r"2048 tokens; the run stops here: remove that question"),
+]
+
+
+@pytest.mark.parametrize("name,make_argv,line", BAD_INPUTS + NEEDS_A_MODEL, ids=[c[0] for c in BAD_INPUTS + NEEDS_A_MODEL])
+def test_bad_input_is_answered_in_one_line_naming_it(name, make_argv, line, finished_run, tmp_path, monkeypatch):
+    ctx = {"tiny": finished_run.parent.parent / "tiny", "finished": finished_run, "tmp": tmp_path, "env": {}, "run": None}
+    monkeypatch.setenv("T3RL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("T3RL_DATA_DIR", str(finished_run.parent.parent / "data"))
+    argv = [str(a) for a in make_argv(ctx)]
+    for key, value in ctx["env"].items():
+        monkeypatch.setenv(key, value)
+    loaded = []
+    if name not in {n for n, *_ in NEEDS_A_MODEL}:
+        monkeypatch.setattr(t3rl, "load_model", lambda *a, **k: loaded.append(a) or pytest.fail("a model was loaded"))
+    monkeypatch.setattr(t3rl, "build_verifier", lambda *a: pytest.fail("the verifier was loaded"))
+    before = snapshot(ctx["run"]) if ctx["run"] else None
+    with pytest.raises(SystemExit) as stop:
+        t3rl.main(argv)
+    message = str(stop.value.code)
+    assert message.startswith("error: ") and "\n" not in message, message
+    assert re.search(line, message), message
+    assert not loaded
+    if before is not None:
+        assert snapshot(ctx["run"]) == before  # nothing of the run was touched
+
+
+def test_the_table_covers_thirty_bad_inputs_and_every_option_has_a_range():
+    assert len(BAD_INPUTS + NEEDS_A_MODEL) >= 30
+    for f in t3rl.fields(t3rl.Config):
+        free_text = f.name in ("model", "verifier_model", "out_dir", "run_name", "resume")
+        assert f.type in (bool, "bool") or free_text or f.metadata["allowed"] is not None, f"--{f.name} has no range"
+
+
+def resume(run: Path, finished_run: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("T3RL_DATA_DIR", str(finished_run.parent.parent / "data"))
+    return t3rl.train(t3rl.parse_config(["--resume", str(run)]))
+
+
+def assert_same_run(run: Path, reference: Path):
+    assert without_timing(rows(run, "metrics.jsonl")) == without_timing(rows(reference, "metrics.jsonl"))
+    assert rows(run, "rollouts.jsonl") == rows(reference, "rollouts.jsonl")
+    a, b = final_weights(run), final_weights(reference)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_path, monkeypatch, patched, capsys):
+    run = copy_run(finished_run, tmp_path / "out" / "run", final=False)
+    state = (run / "checkpoint" / "state.pt").read_bytes()
+    (run / "checkpoint" / "state.pt").write_bytes(state[:len(state) // 2])  # a disk that filled up
+    resume(run, finished_run, monkeypatch)
+    err = capsys.readouterr().err
+    assert "checkpoint/state.pt is damaged" in err and "moved it to checkpoint.damaged/" in err
+    assert "resuming after step 2" in err
+    assert_same_run(run, finished_run)  # steps 3 and 4 computed again, to the same numbers and weights
+    assert (run / "checkpoint.damaged" / "model").is_dir()
+    assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
+
+
+def test_truncated_weights_are_a_damaged_checkpoint(finished_run, tmp_path):
+    run = copy_run(finished_run, tmp_path / "run")
+    assert t3rl.checkpoint_damage(run / "checkpoint") is None
+    weights = run / "checkpoint" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert t3rl.checkpoint_damage(run / "checkpoint") == "checkpoint/model/model.safetensors is truncated"
+
+
+def test_resume_drops_torn_last_lines_and_a_stale_checkpoint_old(finished_run, tmp_path, monkeypatch, patched, capsys):
+    run = copy_run(finished_run, tmp_path / "out" / "run", upto=2)
+    for name, torn in (("metrics.jsonl", '{"kind": "train", "st'), ("rollouts.jsonl", '{"step": 2, "id": "q')):
+        with open(run / name, "a") as fh:
+            fh.write(torn)  # a kill in the middle of an append
+    for leftover in ("checkpoint.old", "checkpoint.tmp"):
+        (run / leftover / "model").mkdir(parents=True)
+        (run / leftover / "model" / "junk.bin").write_bytes(b"0" * 100)
+    resume(run, finished_run, monkeypatch)
+    err = capsys.readouterr().err
+    assert "metrics.jsonl:" in err and "rollouts.jsonl:" in err and err.count("dropped a half-written last line") == 2
+    assert_same_run(run, finished_run)
+    assert not (run / "checkpoint.tmp").exists()
+    assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
+
+
+def test_deleted_metrics_do_not_make_the_final_eval_the_before(finished_run, tmp_path, monkeypatch, patched, capsys):
+    run = copy_run(finished_run, tmp_path / "out" / "run", final=False)
+    (run / "metrics.jsonl").unlink()
+    resume(run, finished_run, monkeypatch)
+    table = capsys.readouterr().out
+    assert "no step-0 evaluation" in table and "'before' is unknown" in table
+    pass_at_1 = [line.split() for line in table.splitlines() if line.startswith("pass@1")]
+    assert pass_at_1 and pass_at_1[0][1] == "-"
+    assert [r.get("final") for r in rows(run, "metrics.jsonl")] == [True]
+
+
+def test_resume_lists_the_bookkeeping_options_it_may_change(finished_run, tmp_path, capsys):
+    run = copy_run(finished_run, tmp_path / "run", final=False)
+    cfg = t3rl.parse_config(["--resume", str(run), "--save-every", "1", "--lr", "0.001"])  # lr as saved: no change
+    assert (cfg.save_every, cfg.lr, cfg.n_votes) == (1, 1e-3, 4)
+    assert "[t3rl] --resume: --save-every 2 -> 1" in capsys.readouterr().err
