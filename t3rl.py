@@ -641,6 +641,9 @@ def open_run_dir(cfg: Config) -> Path:
             raise RunDirError(f"--resume {run_dir}: the run is finished (final evaluation at step {finished[-1]['step']} "
                               f"in metrics.jsonl); read it with --replay {run_dir}, or start a new run with another "
                               f"--run-name")
+        saved = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
+        if {**asdict(cfg), "resume": saved.get("resume", "")} != saved:  # --eval-every / --save-every changed
+            write_atomically(run_dir / "config.json", json.dumps({**asdict(cfg), "resume": ""}, indent=2))
         return run_dir
     if run_started(run_dir):
         raise RunDirError(f"run folder {run_dir} already holds a run; continue it with --resume {run_dir}, or "
@@ -786,6 +789,15 @@ def check_prompts_fit(records: list[dict], tokenizer, model, cfg: Config):
                             f"here: {fix}remove that question from the benchmark file")
 
 
+def restore_state(state: dict, optimizer, scheduler) -> int:
+    """Optimizer, schedule and RNG states from a checkpoint's state.pt; returns the steps done."""
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    random.setstate(state["rng"]["python"])
+    torch.set_rng_state(state["rng"]["torch"])
+    return state["step"]
+
+
 def train(cfg: Config) -> Path:
     acc = Accelerator(cpu=not _has_gpu())
     set_seed(cfg.seed)
@@ -793,9 +805,8 @@ def train(cfg: Config) -> Path:
     acc.wait_for_everyone()
     records = load_bench(cfg.bench)[:cfg.limit or None]
     batches = question_batches(records, cfg)
-    check_hub(cfg.model, "--model")
-    if cfg.verifier_model != "self":
-        check_hub(cfg.verifier_model, "--verifier-model")
+    for spec, option in ((cfg.model, "--model"), (cfg.verifier_model, "--verifier-model")):
+        check_hub(cfg.model if spec == "self" else spec, option)
     with acc.main_process_first():  # the main process sets a damaged checkpoint aside before the others look
         checkpoint, state = load_checkpoint(run_dir) if cfg.resume else (None, None)
 
@@ -808,19 +819,14 @@ def train(cfg: Config) -> Path:
     # the schedule counts optimizer steps: one per mini-batch of questions, so ceil(questions / Q) per step
     optimizer_steps = sum(-(-len(b) // (cfg.mini_batch_questions or len(b))) for b in batches)
     scheduler = cosine_schedule(optimizer, total_steps=optimizer_steps, warmup_steps=int(cfg.warmup_ratio * optimizer_steps))
-    start = 0
-    if state:
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-        start = state["step"]
+    start = restore_state(state, optimizer, scheduler) if state else 0
     # the scheduler stays unprepared: accelerate would step it once per process per step
     policy, optimizer = acc.prepare(policy, optimizer)
 
     if acc.is_main_process:
         # rows written after the checkpoint are computed again; from step 0 that is all of them
-        keep_jsonl(run_dir / "metrics.jsonl", lambda r: start and (r["step"] < start or (r["kind"] == "eval" and r["step"] <= start)))
+        keep_jsonl(run_dir / "metrics.jsonl",
+                   lambda r: start and (r["step"] < start or (r["kind"] == "eval" and r["step"] <= start)))
         keep_jsonl(run_dir / "rollouts.jsonl", lambda r: r["step"] < start)
         print(f"[t3rl] run folder {run_dir}; {len(records)} questions, {len(batches)} steps"
               + (f", resuming after step {start}" if start else ", no checkpoint yet: from step 0" if cfg.resume else ""),
