@@ -26,8 +26,6 @@ import random
 import shutil
 import sys
 import time
-import urllib.parse
-import urllib.request
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -35,6 +33,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
+from huggingface_hub import snapshot_download
 from tqdm import tqdm
 
 import knk
@@ -136,14 +135,13 @@ def rl_step(step: int, questions: list[dict], learner: Learner) -> dict:
 # ----------------------------------------------------------------------------------------------------------------
 # Benchmarks
 
-# name -> (Hub dataset, config, split); the demo benchmark ships with the repository as data/demo.jsonl
+# name -> (Hub dataset, its files that hold the split); the demo benchmark ships with the repository as data/demo.jsonl
 HUB_BENCHES = {
-    "math500": ("HuggingFaceH4/MATH-500", "default", "test"),
-    "aime2024": ("HuggingFaceH4/aime_2024", "default", "train"),
-    "amc": ("AI-MO/aimo-validation-amc", "default", "train"),
+    "math500": ("HuggingFaceH4/MATH-500", "test.jsonl"),
+    "aime2024": ("HuggingFaceH4/aime_2024", "data/train-*"),
+    "amc": ("AI-MO/aimo-validation-amc", "data/train-*"),
 }
 BENCHES = [*HUB_BENCHES, "demo", "knk"]  # knk: data/knk.jsonl, made by `python knk.py --generate`
-ROWS_API = "https://datasets-server.huggingface.co/rows"
 
 
 class DataError(ValueError):
@@ -202,18 +200,20 @@ def read_jsonl(path: Path) -> list[dict]:
     return records
 
 
-def fetch_hub_rows(dataset: str, config: str, split: str, page: int = 100) -> list[dict]:
-    """All rows of a Hub dataset split through the Hub's rows API (plain JSON, no extra package)."""
-    rows, offset, total = [], 0, None
-    while total is None or offset < total:
-        query = urllib.parse.urlencode(dict(dataset=dataset, config=config, split=split, offset=offset, length=page))
-        with urllib.request.urlopen(f"{ROWS_API}?{query}", timeout=30) as resp:
-            body = json.load(resp)
-        total = body["num_rows_total"]
-        rows += [r["row"] for r in body["rows"]]
-        offset += page
-        if not body["rows"]:
-            break
+def download_hub_rows(dataset: str, files: str) -> list[dict]:
+    """The rows of a Hub dataset's split, through huggingface_hub: the user's HF_TOKEN, HF_ENDPOINT (a mirror),
+    HF_HUB_OFFLINE and cache (HF_HOME) apply as in every other Hub tool. JSON lines or Parquet (read by pyarrow)."""
+    folder = Path(snapshot_download(dataset, repo_type="dataset", allow_patterns=files))
+    paths = sorted(folder.glob(files))
+    if not paths:
+        raise FileNotFoundError(f"{dataset} has no file matching {files}")
+    rows = []
+    for path in paths:
+        if path.suffix == ".parquet":
+            import pyarrow.parquet
+            rows += pyarrow.parquet.read_table(path).to_pylist()
+        else:
+            rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     return rows
 
 
@@ -221,15 +221,15 @@ def hub_records(name: str, rows: list[dict]) -> list[dict]:
     """Map a Hub benchmark's rows to {id, problem, answer, ...} (MATH-500 keeps level and subject)."""
     records = []
     for i, row in enumerate(rows):
-        rec = {"id": str(row.get("unique_id") or row.get("id") or f"{name}-{i}"),
-               "problem": row["problem"], "answer": str(row["answer"])}
+        qid = row.get("unique_id", row.get("id"))
+        rec = {"id": f"{name}-{i}" if qid is None else str(qid), "problem": row["problem"], "answer": str(row["answer"])}
         rec.update({k: row[k] for k in ("level", "subject") if k in row})
         records.append(rec)
     return records
 
 
-def load_bench(name: str, fetch=fetch_hub_rows) -> list[dict]:
-    """Benchmark records, from $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else the Hub (saved once)."""
+def load_bench(name: str) -> list[dict]:
+    """Benchmark records, from $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else the Hugging Face Hub."""
     if name not in BENCHES:
         raise BenchError(f"--bench {name}: unknown benchmark; choose one of {', '.join(BENCHES)}")
     local = ROOT / "data" / f"{name}.jsonl"
@@ -238,19 +238,16 @@ def load_bench(name: str, fetch=fetch_hub_rows) -> list[dict]:
         return read_jsonl(Path(data_dir) / f"{name}.jsonl")
     if local.is_file():
         return read_jsonl(local)
-    dataset, config, split = HUB_BENCHES[name]
-    print(f"[t3rl] downloading {name} from the Hugging Face Hub ({dataset}, split {split}) ...", file=sys.stderr)
+    dataset, files = HUB_BENCHES[name]
+    print(f"[t3rl] {name}: no local file, loading {dataset} through the Hugging Face Hub client", file=sys.stderr)
     try:
-        rows = fetch(dataset, config, split)
-    except OSError as err:
-        raise BenchError(f"--bench {name}: not found locally and the Hub is unreachable ({err}); put the file at "
-                         f"{local} or set T3RL_DATA_DIR to a folder holding {name}.jsonl "
+        rows = download_hub_rows(dataset, files)
+    except OSError as err:  # the client's errors (offline, unreachable, not found, gated) are all OSErrors
+        reason = (str(err).strip() or type(err).__name__).splitlines()[0]
+        raise BenchError(f"--bench {name}: not found locally and not available from the Hub ({reason}); put the file "
+                         f"at {local} or set T3RL_DATA_DIR to a folder holding {name}.jsonl "
                          f"(one JSON object per line with 'problem' and 'answer')") from None
-    records = hub_records(name, rows)
-    tmp = local.with_name(f"{local.name}.tmp-{os.getpid()}")
-    tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    os.replace(tmp, local)
-    return records
+    return hub_records(name, rows)
 
 
 # ----------------------------------------------------------------------------------------------------------------

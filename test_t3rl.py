@@ -3,6 +3,8 @@ do, the embedded 0.5B model where the real one matters. Run: python -m pytest -q
 import copy
 import dataclasses
 import doctest
+import hashlib
+import http.server
 import json
 import math
 import os
@@ -16,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import uuid
 from pathlib import Path
 
@@ -200,49 +203,97 @@ def test_record_without_answer_names_file_and_line(tmp_path, monkeypatch):
         t3rl.load_bench("amc")
 
 
-def test_offline_without_local_file_says_where_to_put_it(tmp_path, monkeypatch):
-    monkeypatch.delenv("T3RL_DATA_DIR")
-    monkeypatch.setattr(t3rl, "ROOT", tmp_path)
+class FakeHub(http.server.ThreadingHTTPServer):
+    """The Hub's HTTP API as huggingface_hub uses it (repo info, file tree, file downloads), on 127.0.0.1, serving
+    `files` {dataset: {path: bytes}}; `requests` records (path, Authorization header) for each dataset request."""
 
-    def offline(*args):
-        raise OSError("Name or service not known")
-    with pytest.raises(t3rl.BenchError, match=r"Hub is unreachable.*put the file at .*data/amc.jsonl or set T3RL_DATA_DIR"):
-        t3rl.load_bench("amc", fetch=offline)
-
-
-def test_hub_download_is_saved_once_and_reused(tmp_path, monkeypatch):
-    monkeypatch.delenv("T3RL_DATA_DIR")
-    monkeypatch.setattr(t3rl, "ROOT", tmp_path)
-    (tmp_path / "data").mkdir()
-    calls = []
-
-    def fetch(dataset, config, split):
-        calls.append((dataset, split))
-        return [{"problem": "p1", "answer": 3, "unique_id": "test/a.json", "level": 2, "subject": "Algebra"}]
-    first = t3rl.load_bench("math500", fetch=fetch)
-    second = t3rl.load_bench("math500", fetch=fetch)
-    assert calls == [("HuggingFaceH4/MATH-500", "test")]
-    assert first == second == [{"id": "test/a.json", "problem": "p1", "answer": "3", "level": 2, "subject": "Algebra"}]
+    def __init__(self, files):
+        self.files, self.requests = files, []
+        super().__init__(("127.0.0.1", 0), FakeHubHandler)
+        self.url = f"http://127.0.0.1:{self.server_port}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
-def test_hub_rows_api_pages_through_the_split(monkeypatch):
-    pages = {0: list(range(100)), 100: list(range(100, 130))}
+class FakeHubHandler(http.server.BaseHTTPRequestHandler):
+    commit = "0123456789abcdef0123456789abcdef01234567"
 
-    class Resp:
-        def __init__(self, url):
-            offset = int(url.split("offset=")[1].split("&")[0])
-            self.body = json.dumps({"num_rows_total": 130, "rows": [{"row": {"i": i}} for i in pages[offset]]})
+    def do_GET(self):
+        path = urllib.parse.urlparse(self.path).path
+        for repo, files in self.server.files.items():
+            if repo in path:
+                self.server.requests.append((path, self.headers.get("authorization")))
+            if path.startswith(f"/api/datasets/{repo}/revision/"):
+                return self.reply({"id": repo, "sha": self.commit, "siblings": [{"rfilename": f} for f in files]})
+            if path.startswith(f"/api/datasets/{repo}/tree/"):
+                return self.reply([{"type": "file", "path": f, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                                   for f, data in files.items()])
+            name = path.removeprefix(f"/datasets/{repo}/resolve/{self.commit}/")
+            if name in files:
+                return self.reply(files[name], {"X-Repo-Commit": self.commit, "ETag": f'"{hashlib.sha1(files[name]).hexdigest()}"'})
+        self.reply(b"", status=404)
 
-        def __enter__(self):
-            return self
+    do_HEAD = do_GET
 
-        def __exit__(self, *a):
-            return False
+    def reply(self, body, headers=(), status=200):
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        for key, value in dict(headers).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
 
-        def read(self, *a):
-            return self.body.encode()
-    monkeypatch.setattr(t3rl.urllib.request, "urlopen", lambda url, timeout: Resp(url))
-    assert [r["i"] for r in t3rl.fetch_hub_rows("x/y", "default", "train")] == list(range(130))
+    def log_message(self, *args):
+        pass
+
+
+def load_benches_in_a_new_process(env, *names) -> dict:
+    """load_bench(name) for each name in a fresh process (huggingface_hub reads HF_* variables at import) with no
+    local benchmark files."""
+    script = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r})\nimport t3rl\nt3rl.ROOT = t3rl.Path(sys.argv[1])\n"
+              "print(json.dumps({name: t3rl.load_bench(name) for name in sys.argv[2:]}))\n")
+    env = {**{k: v for k, v in os.environ.items() if k not in ("T3RL_DATA_DIR", "HF_HUB_OFFLINE")}, **env}
+    done = subprocess.run([sys.executable, "-c", script, env.pop("EMPTY_ROOT"), *names], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_benchmarks_come_through_the_hub_client_with_token_mirror_cache_and_offline_mode(tmp_path, monkeypatch):
+    import huggingface_hub
+    import pyarrow
+    import pyarrow.parquet
+    amc = tmp_path / "amc.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(
+        [{"id": i, "problem": f"p{i}", "answer": 142.0 + i, "url": "u"} for i in range(3)]), amc)
+    math500 = {"problem": "p", "answer": "\\frac12", "unique_id": "test/a.json", "level": 2, "subject": "Algebra"}
+    hub = FakeHub({"AI-MO/aimo-validation-amc": {"data/train-00000-of-00001.parquet": amc.read_bytes(), "README.md": b"#"},
+                   "HuggingFaceH4/MATH-500": {"test.jsonl": (json.dumps(math500) + "\n").encode(), "README.md": b"#"}})
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_t3rl_test", "EMPTY_ROOT": str(tmp_path)}
+    try:
+        online = load_benches_in_a_new_process(env, "amc", "math500")
+        assert online["amc"] == [{"id": str(i), "problem": f"p{i}", "answer": f"{142.0 + i}"} for i in range(3)]
+        assert online["math500"] == [{"id": "test/a.json", "problem": "p", "answer": "\\frac12", "level": 2,
+                                      "subject": "Algebra"}]
+        # the mirror got every request, with the user's token, and served only the split's files
+        assert hub.requests and {auth for _, auth in hub.requests} == {"Bearer hf_t3rl_test"}
+        assert not any(path.endswith("README.md") for path, _ in hub.requests)
+        # offline (what HF_HUB_OFFLINE=1 and that HF_HOME set at import): the cache answers without a request,
+        # and what was never downloaded is one clear line
+        hub.requests.clear()
+        monkeypatch.delenv("T3RL_DATA_DIR")
+        monkeypatch.setattr(t3rl, "ROOT", tmp_path)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+        assert t3rl.load_bench("amc") == online["amc"]
+        with pytest.raises(t3rl.BenchError) as err:
+            t3rl.load_bench("aime2024")
+    finally:
+        hub.shutdown()
+    assert hub.requests == []
+    assert str(err.value).startswith("--bench aime2024: not found locally and not available from the Hub (")
+    assert "HF_HUB_OFFLINE" in str(err.value) and "put the file at" in str(err.value) and "\n" not in str(err.value)
 
 
 # =================================================================================================================
