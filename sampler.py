@@ -22,8 +22,16 @@ Design of "kv":
     at a common column P (the longest prompt): prompt p sits in columns [P - len_p, P) and completion token j in
     column P + j, so every row writes the same column each step; an attention mask hides the columns
     before a row's prompt and the rotary position of a column is its offset from the row's own prompt start.
-  - One prefill per prompt: the prompt runs once through the model into its first row, then its keys and
-    values are copied into the other n - 1 rows that sample from it (transformers runs n prefills).
+  - Prefill once what prompts share: a prompt runs through the model into one row, and its keys and values
+    are copied into the other n - 1 rows that sample from it. Prompts that begin with the same tokens (the
+    verifier's system prompt in all of its prompts, the problem in the N prompts of one question) prefill
+    that start once: a token's keys and values depend only on the tokens up to it (causal attention), so a
+    prompt copies the cache columns of the prompt sharing its longest start and runs only the rest, at the
+    positions it has in the whole prompt. Sorted prompts give these sources (prefix_plan); the prompts whose
+    sources are ready run together, their own tokens right-padded into one batched forward per
+    PREFILL_TOKENS, so prefill runs at matrix speed rather than one prompt at a time.
+  - Decode attends from the first column any live row's prompt starts at: the padding that every row
+    skips is not read.
   - Finished rows leave the batch: when an eighth of the batch has produced its end-of-sequence token, the
     live rows are copied to the front of the cache and the batch shrinks, so they stop costing compute.
   - The step's float32 logits and their probabilities live in two (rows, vocab) buffers allocated with the
@@ -45,10 +53,10 @@ Design of "kv":
     and >= 4 rows, and attention sums in an order that shifts with the left padding); GPUs promise neither.
   - compile=True runs the decode step through torch.compile (CUDA graphs on GPU); it then attends over the
     whole cache, masked, so every step has the same shapes and nothing recompiles. Meant for GPUs: on a
-    2-core CPU it measured slower than eager (306 vs 114 ms per step at n = 32 in bfloat16, README).
+    2-core CPU it measured slower than eager (README).
   - dtype: by default "kv" computes in the model's own dtype on its own weights (no copy). dtype=bfloat16 on
     a float32 model casts the weights once per call (the loop keeps float32 master weights; bfloat16
-    matmuls are ~4x faster on CPUs with AVX-512 bf16, see `python sampler.py --bench`).
+    matmuls are several times faster on CPUs with AVX-512 bf16, see `python sampler.py --bench`).
   - Other architectures (or sliding-window / dynamic rotary variants) fall back to "hf" with a notice.
 
 Token ids: a string prompt is tokenised as tokenizer(prompt, add_special_tokens=False).input_ids (chat
@@ -58,9 +66,12 @@ end-of-sequence token (GRPO trains on it). `text` is the decoded completion with
 Both backends run under torch.inference_mode and leave the model's mode (train / eval) as they found it.
 """
 import functools
+import json
 import os
+import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass
 
 import torch
@@ -87,7 +98,14 @@ class Completion:
         return len(self.token_ids)
 
 
-def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature: float = 0.6,
+@dataclass
+class Sampling:
+    max_new_tokens: int
+    temperature: float  # 0: greedy
+    top_p: float
+
+
+def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperature: float = 0.6,
              top_p: float = 0.95, seed: int | list[int] | None = None, backend: str = "kv", ignore_eos: bool = False,
              dtype: torch.dtype | None = None, memory_budget: int | None = None, compile: bool = False,
              progress: str | None = None):
@@ -126,12 +144,13 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, temperature
             print(f"[sampler] kv backend does not support {reason}; falling back to hf "
                   f"(dtype, memory_budget and compile ignored)", file=sys.stderr)
             backend, dtype, memory_budget, compile = "hf", None, None, False
+    sampling = Sampling(max_new_tokens, temperature, top_p)
     with torch.inference_mode():
         if backend == "kv":
-            rows = _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, prompt_seeds, eos_ids,
-                                dtype, memory_budget, compile, progress)
+            rows = _generate_kv(model, prompt_ids, n, sampling, prompt_seeds=prompt_seeds, eos_ids=eos_ids,
+                                dtype=dtype, memory_budget=memory_budget, compile=compile, progress=progress)
         else:
-            rows = _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p,
+            rows = _generate_hf(model, tokenizer, prompt_ids, n, sampling,
                                 seed if isinstance(seed, int) else prompt_seeds, eos_ids, ignore_eos)
     completions = []
     for p, ids in enumerate(prompt_ids):
@@ -182,7 +201,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 # --------------------------------------------------------------------------- hf: the reference
 
-def _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, top_p, seed, eos_ids, ignore_eos):
+def _generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed, eos_ids, ignore_eos):
     """transformers generate on the left-padded batch; returns (token_ids, finish_reason, None) per row.
 
     seed: an int seeds the one batched call; a list (one per prompt) runs one call per prompt, each seeded.
@@ -190,20 +209,20 @@ def _generate_hf(model, tokenizer, prompt_ids, n, max_new_tokens, temperature, t
     from transformers import GenerationConfig
     if isinstance(seed, list):
         return [row for ids, prompt_seed in zip(prompt_ids, seed)
-                for row in _generate_hf(model, tokenizer, [ids], n, max_new_tokens, temperature, top_p, prompt_seed,
-                                        eos_ids, ignore_eos)]
+                for row in _generate_hf(model, tokenizer, [ids], n, sampling, prompt_seed, eos_ids, ignore_eos)]
     device = next(model.parameters()).device
     pad_id = eos_ids[0] if eos_ids else (tokenizer.pad_token_id if tokenizer is not None else 0)
     width = max(map(len, prompt_ids))
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=device)
     attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=device)
     # greedy rows of one prompt are identical, and transformers refuses n > 1 for them: decode once, repeat n times
-    repeats = 1 if temperature > 0 else n
+    greedy = sampling.temperature == 0
+    repeats = n if greedy else 1
     # every sampling option set explicitly: transformers fills unset ones from the checkpoint (Qwen: top_k=20, ...)
-    sampling = dict(temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else {}
-    config = GenerationConfig(max_new_tokens=max_new_tokens, num_return_sequences=n // repeats,
-                              do_sample=temperature > 0, repetition_penalty=1.0, pad_token_id=pad_id,
-                              eos_token_id=eos_ids or None, **sampling)
+    options = {} if greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p, top_k=0)
+    config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, num_return_sequences=n // repeats,
+                              do_sample=not greedy, repetition_penalty=1.0, pad_token_id=pad_id,
+                              eos_token_id=eos_ids or None, **options)
     was_training, model_eos = model.training, model.generation_config.eos_token_id
     devices = [device] if device.type == "cuda" else []
     try:
@@ -326,15 +345,42 @@ def attention(q, k, v, mask):
     return (probs @ v).view(rows, heads, T, d)
 
 
-def forward(w: Weights, tokens, positions, columns, k_cache, v_cache, mask, cos_table, sin_table):
-    """Run `tokens` (rows, T) through the model; return the logits of each row's last token (rows, vocab), in
-    the weights' dtype.
+@dataclass
+class KVCache:
+    """Keys and values of every row, each (layers, rows, kv heads, columns, head dim), allocated once.
 
-    Keys and values of the T tokens are written into cache columns `columns` (T,); attention reads
-    cache columns [0, mask.shape[-1]) where `mask` (rows, 1, T, that width) is True.
+    Zeros, not empty: a masked column gets probability 0, and 0 * a stale NaN would still be NaN."""
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @classmethod
+    def zeros(cls, w: Weights, rows: int, columns: int, dtype, device):
+        shape = (len(w.layers), rows, w.n_kv_heads, columns, w.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+
+    def window(self, rows: int, start: int):
+        """Rows [0, rows) from column `start` on: a view, so what forward writes there lands in this cache."""
+        return KVCache(self.k[:, :rows, :, start:], self.v[:, :rows, :, start:])
+
+    def copy_columns(self, rows, start: int, source, source_row: int, source_start: int, count: int):
+        """Columns [start, start + count) of `rows` (an int or an index tensor) := `count` columns of
+        source's row source_row from source_start."""
+        rows = slice(rows, rows + 1) if isinstance(rows, int) else rows
+        for mine, theirs in ((self.k, source.k), (self.v, source.v)):
+            mine[:, rows, :, start:start + count] = theirs[:, source_row:source_row + 1, :,
+                                                           source_start:source_start + count]
+
+
+def forward(w: Weights, tokens, positions, columns, cache: KVCache, mask, rotary, last=None):
+    """Run `tokens` (rows, T) through the model; return the logits (rows, vocab), in the weights' dtype, of
+    each row's token `last` (rows,) (default: the last one).
+
+    positions (rows, T) index the rotary tables rotary = (cos, sin), each (length, head dim). Keys and values of
+    the T tokens are written into cache columns `columns` (T,); attention reads cache columns
+    [0, mask.shape[-1]) where `mask` (rows, 1, T, that width) is True.
     """
     rows, T = tokens.shape
-    cos, sin = cos_table[positions][:, None], sin_table[positions][:, None]  # (rows, 1, T, head_dim)
+    cos, sin = rotary[0][positions][:, None], rotary[1][positions][:, None]  # (rows, 1, T, head_dim)
     width = mask.shape[-1]
     x = F.embedding(tokens, w.embed)
     for i, layer in enumerate(w.layers):
@@ -342,13 +388,14 @@ def forward(w: Weights, tokens, positions, columns, k_cache, v_cache, mask, cos_
         q = F.linear(h, *layer.q).view(rows, T, w.n_heads, w.head_dim).transpose(1, 2)
         k = F.linear(h, *layer.k).view(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
         v = F.linear(h, *layer.v).view(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
-        k_cache[i].index_copy_(2, columns, rotate(k, cos, sin))
-        v_cache[i].index_copy_(2, columns, v)
-        attn = attention(rotate(q, cos, sin), k_cache[i, :, :, :width], v_cache[i, :, :, :width], mask)
+        cache.k[i].index_copy_(2, columns, rotate(k, cos, sin))
+        cache.v[i].index_copy_(2, columns, v)
+        attn = attention(rotate(q, cos, sin), cache.k[i, :, :, :width], cache.v[i, :, :, :width], mask)
         x = x + F.linear(attn.transpose(1, 2).reshape(rows, T, -1), *layer.o)
         h = rms_norm(x, layer.post_norm, w.eps)
         x = x + F.linear(F.silu(F.linear(h, *layer.gate)) * F.linear(h, *layer.up), *layer.down)
-    return F.linear(rms_norm(x[:, -1], w.norm, w.eps), w.head)
+    x = x[:, -1] if last is None else x[torch.arange(rows, device=x.device), last]
+    return F.linear(rms_norm(x, w.norm, w.eps), w.head)
 
 
 @functools.cache
@@ -415,33 +462,34 @@ def cache_bytes_per_row(model, length: int, dtype) -> int:
     return cache + 4 * config.vocab_size * 4 + 4 * length
 
 
-def _generate_kv(model, prompt_ids, n, max_new_tokens, temperature, top_p, prompt_seeds, eos_ids, dtype,
-                 memory_budget, compile, progress):
+def _generate_kv(model, prompt_ids, n, sampling: Sampling, *, prompt_seeds, eos_ids, dtype, memory_budget,
+                 compile, progress):
     device = next(model.parameters()).device
     dtype = dtype or next(model.parameters()).dtype
     longest = max(map(len, prompt_ids))
-    if longest + max_new_tokens > model.config.max_position_embeddings:
-        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"{model.config.max_position_embeddings} positions; shorten one of them")
+    length = longest + sampling.max_new_tokens
+    if length > model.config.max_position_embeddings:
+        raise ValueError(f"prompt ({longest} tokens) + max_new_tokens ({sampling.max_new_tokens}) exceeds the "
+                         f"model's {model.config.max_position_embeddings} positions; shorten one of them")
     budget = memory_budget or _default_budget(device)
-    per_row = cache_bytes_per_row(model, longest + max_new_tokens, dtype)
+    per_row = cache_bytes_per_row(model, length, dtype)
     wave_rows = budget // per_row
     if wave_rows < 1:
-        raise ValueError(f"memory_budget={budget} bytes holds no row of {longest + max_new_tokens} tokens "
-                         f"({per_row} bytes); raise memory_budget or lower max_new_tokens")
+        raise ValueError(f"memory_budget={budget} bytes holds no row of {length} tokens ({per_row} bytes); "
+                         f"raise memory_budget or lower max_new_tokens")
     w = model_weights(model, dtype)
-    cos, sin = rotary_tables(w, longest + max_new_tokens, dtype)
-    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    step = compiled_forward(device.type) if compile else forward
+    run = Run(w, rotary_tables(w, length, dtype), compiled_forward(device.type) if compile else forward, compile,
+              torch.tensor(eos_ids, dtype=torch.long, device=device), dtype, device)
     n_rows = len(prompt_ids) * n  # row r samples for prompt r // n
     rows = []
     for start in range(0, n_rows, wave_rows):
         stop = min(start + wave_rows, n_rows)
         wave = [prompt_ids[r // n] for r in range(start, stop)]
-        uniforms = None if temperature == 0 else row_uniforms(prompt_seeds, n, max_new_tokens, start, stop).to(device)
+        uniforms = None
+        if sampling.temperature > 0:
+            uniforms = row_uniforms(prompt_seeds, n, sampling.max_new_tokens, start, stop).to(device)
         label = progress and (progress if stop - start == n_rows else f"{progress} (rows {start}-{stop - 1})")
-        rows += _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, step, compile, cos, sin,
-                             dtype, device, label)
+        rows += _decode_wave(run, wave, sampling, uniforms, progress=label)
     return rows
 
 
@@ -451,87 +499,216 @@ def row_uniforms(prompt_seeds, n, steps, start, stop):
     Prompt p's n rows are torch.rand(n, steps) of a CPU generator seeded with prompt_seeds[p], so a row's
     draws depend on its prompt's seed and its index among that prompt's rows only (and not on the device).
     """
-    first = start // n
+    first_prompt = start // n
     draws = [torch.rand(n, steps, generator=torch.Generator().manual_seed(prompt_seeds[p]))
-             for p in range(first, (stop - 1) // n + 1)]
-    return torch.cat(draws)[start - first * n:stop - first * n]
+             for p in range(first_prompt, (stop - 1) // n + 1)]
+    return torch.cat(draws)[start - first_prompt * n:stop - first_prompt * n]
 
 
-def _decode_wave(w, wave, max_new_tokens, temperature, top_p, uniforms, eos, step, compile, cos, sin, dtype,
-                 device, progress=None):
-    """Sample every row of one wave (consecutive rows of one prompt share its prefill); row r draws its
+@dataclass
+class Run:
+    """What every wave of one generate call shares: the weights, the rotary tables, the decode step."""
+    w: Weights
+    rotary: tuple        # (cos, sin), each (length, head dim)
+    step: object         # forward, or its compiled twin
+    compile: bool        # the step attends over the whole cache (fixed shapes)
+    eos: torch.Tensor    # end-of-sequence ids (empty: EOS ignored)
+    dtype: torch.dtype   # compute dtype
+    device: torch.device
+
+
+# --------------------------------------------------------------------------- kv: prefill, shared prefixes first
+
+def common_prefix(a, b) -> int:
+    """How many tokens lists a and b share at their start."""
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+@dataclass
+class PrefixStep:
+    source: int | None   # the distinct prompt whose cache row holds this prompt's first `shared` tokens
+    shared: int          # tokens copied from it; this prompt prefills only tokens [shared, len)
+    level: int           # prefilled in forward number `level`, after its source (level - 1)
+
+
+def prefix_plan(prompts) -> list[PrefixStep]:
+    """How distinct `prompts` (token-id lists) share their prefill: one PrefixStep each.
+
+    In sorted order the earlier prompt sharing the longest start with prompt k is its neighbour k - 1,
+    since lcp(a, c) = min(lcp(a, b), lcp(b, c)) for a <= b <= c. Its source is the first prompt of the run that
+    shares those tokens; that one shares fewer with its own predecessor, so sources lead down to a prompt
+    that shares nothing (level 0), and there are at most as many levels as distinct shared lengths. A
+    distinct prompt never shares all of its tokens (a prompt that starts another sorts before it), so each
+    prefills at least its last token, whose logits start the sampling.
+    """
+    order = sorted(range(len(prompts)), key=prompts.__getitem__)
+    lcp = [0] + [common_prefix(prompts[a], prompts[b]) for a, b in zip(order, order[1:])]
+    plan = [None] * len(prompts)
+    for k, i in enumerate(order):
+        if lcp[k] == 0:
+            plan[i] = PrefixStep(None, 0, 0)
+            continue
+        j = k - 1
+        while j > 0 and lcp[j] >= lcp[k]:
+            j -= 1
+        plan[i] = PrefixStep(order[j], lcp[k], plan[order[j]].level + 1)
+    return plan
+
+
+PREFILL_TOKENS = 2048  # padded tokens per prefill forward: bounds its activations (the float32 attention
+                       # scores grow with tokens x keys) while keeping matrix products large enough to run at speed
+
+
+def prefill(run: Run, cache: KVCache, prompts, width: int, logits):
+    """Put every row's prompt into its cache row (prompt in columns [width - len, width)) and its last token's
+    float32 logits into logits[row]. prompts[r] is row r's prompt (rows may share one).
+
+    Each distinct prompt runs through the model once, and only its tokens after the longest start it shares
+    with another prompt (prefix_plan), whose keys and values are copied from that prompt's row: causal
+    attention makes a token's keys and values a function of the tokens up to it, so this is prefilling it
+    whole. The prompts of one level go through the model together, in chunks of PREFILL_TOKENS padded
+    tokens, shortest suffix first; then each prompt's row is copied into the other rows that sample from it.
+    """
+    distinct, rows_of = {}, []  # token tuple -> its index; the rows sampling from each distinct prompt
+    for row, prompt in enumerate(prompts):
+        index = distinct.setdefault(tuple(prompt), len(distinct))
+        if index == len(rows_of):
+            rows_of.append([])
+        rows_of[index].append(row)
+    unique = [list(p) for p in distinct]
+    plan = prefix_plan(unique)
+    for level in range(max(step.level for step in plan) + 1):
+        jobs = []  # (row, prompt, shared, (source row, its first column))
+        for i, step in enumerate(plan):
+            if step.level == level:
+                source = None if step.source is None else (rows_of[step.source][0], width - len(unique[step.source]))
+                jobs.append((rows_of[i][0], unique[i], step.shared, source))
+        jobs.sort(key=lambda job: len(job[1]) - job[2])
+        chunk = []
+        for job in jobs:
+            if chunk and (len(chunk) + 1) * (len(job[1]) - job[2]) > PREFILL_TOKENS:
+                _prefill_chunk(run, cache, chunk, width, logits)
+                chunk = []
+            chunk.append(job)
+        _prefill_chunk(run, cache, chunk, width, logits)
+    for rows in rows_of:
+        if len(rows) > 1:
+            start = width - len(prompts[rows[0]])
+            copies = torch.tensor(rows[1:], device=logits.device)
+            cache.copy_columns(copies, start, cache, rows[0], start, width - start)
+            logits[copies] = logits[rows[0]].clone()
+
+
+def _prefill_chunk(run: Run, cache: KVCache, jobs, width: int, logits):
+    """One forward over the jobs' own tokens, [(row, prompt, shared, (source row, its first column) or None)].
+
+    A scratch cache holds one row per job: its `shared` tokens, copied from the source row, end at column A (the
+    most any job shares), its own tokens follow, right-padded to the longest; a token attends to its row's
+    columns from its prompt's first to itself, so padding (after every real token) is never read.
+    """
+    device = logits.device
+    shared = torch.tensor([job[2] for job in jobs], device=device)
+    own = torch.tensor([len(job[1]) - job[2] for job in jobs], device=device)  # tokens each job runs
+    A, S = int(shared.max()), int(own.max())
+    scratch = KVCache.zeros(run.w, len(jobs), A + S, cache.k.dtype, device)
+    tokens = torch.zeros(len(jobs), S, dtype=torch.long, device=device)
+    for j, (_, prompt, n_shared, source) in enumerate(jobs):
+        tokens[j, :len(prompt) - n_shared] = torch.tensor(prompt[n_shared:], device=device)
+        if source is not None:
+            scratch.copy_columns(j, A - n_shared, cache, *source, n_shared)
+    t = torch.arange(S, device=device)
+    positions = torch.where(t < own[:, None], shared[:, None] + t, 0)                # (jobs, S); padding at 0
+    keys = torch.arange(A + S, device=device)
+    mask = (keys >= A - shared[:, None, None]) & (keys <= A + t[None, :, None])      # (jobs, S, A + S)
+    rows = torch.tensor([job[0] for job in jobs], device=device)
+    logits[rows] = forward(run.w, tokens, positions, A + t, scratch, mask[:, None], run.rotary, last=own - 1).float()
+    for j, (row, prompt, n_shared, _) in enumerate(jobs):
+        cache.copy_columns(row, width - len(prompt), scratch, j, A - n_shared, len(prompt))
+
+
+# --------------------------------------------------------------------------- kv: decode one wave
+
+@dataclass
+class Batch:
+    """The rows still sampling: batch row b is wave row rows[b], whose prompt starts at cache column start[b]."""
+    rows: torch.Tensor   # (b,)
+    start: torch.Tensor  # (b,)
+    alive: torch.Tensor  # (b,) bool: has not drawn an end-of-sequence token yet
+    first_column: int    # min(start): no row of the batch attends to a column before it
+
+
+def _decode_wave(run: Run, prompts, sampling: Sampling, uniforms, *, progress=None):
+    """Sample every row of one wave: prompts[r] is row r's prompt (rows may share one), and row r draws its
     token j with uniforms[r, j] (None when greedy). Returns (token_ids, finish_reason, logprob) per row."""
-    width = max(map(len, wave))  # prompts end at column `width`; completion token j sits in column width + j
-    length = width + max_new_tokens
-    n_rows = len(wave)
-    shape = (len(w.layers), n_rows, w.n_kv_heads, length, w.head_dim)
-    # zeros, not empty: masked columns get probability 0, and 0 * a stale NaN would still be NaN
-    k_cache = torch.zeros(shape, dtype=dtype, device=device)
-    v_cache = torch.zeros(shape, dtype=dtype, device=device)
-    first = torch.tensor([len(p) for p in wave], device=device)
-    first = width - first  # column of each row's first prompt token
-    vocab = len(w.head)
-    logits = torch.empty(n_rows, vocab, dtype=torch.float32, device=device)  # float32 logits of the step
-    scratch = torch.empty_like(logits)                                     # their probabilities
-    r = 0
-    while r < n_rows:
-        prompt = wave[r]
-        same = next((j for j in range(r, n_rows) if wave[j] is not prompt), n_rows)
-        size, col = len(prompt), width - len(prompt)
-        positions = torch.arange(size, device=device)
-        causal = torch.ones(size, size, dtype=torch.bool, device=device).tril()[None, None]
-        k_row, v_row = k_cache[:, r:r + 1, :, col:], v_cache[:, r:r + 1, :, col:]
-        prompt_logits = forward(w, torch.tensor([prompt], device=device), positions[None], positions, k_row, v_row,
-                                causal, cos, sin)
-        k_cache[:, r + 1:same, :, col:width] = k_cache[:, r:r + 1, :, col:width]
-        v_cache[:, r + 1:same, :, col:width] = v_cache[:, r:r + 1, :, col:width]
-        logits[r:same] = prompt_logits
-        r = same
-
-    out = torch.empty(n_rows, max_new_tokens, dtype=torch.long, device=device)
-    ends = [max_new_tokens] * n_rows  # tokens kept per row
-    reasons = ["length"] * n_rows
-    logprobs = torch.zeros(n_rows, dtype=torch.float32, device=device)  # sum of log pi_T(drawn token) per row
-    batch = torch.arange(n_rows, device=device)  # wave row of each batch row
-    alive = torch.ones(n_rows, dtype=torch.bool, device=device)
-    columns = torch.arange(length, device=device)
-    bar = tqdm(total=max_new_tokens, desc=progress, unit="tok", leave=False, disable=not progress)
-    for j in range(max_new_tokens):
-        rows = len(batch)
-        tokens = sample_next(logits[:rows], temperature, top_p, None if uniforms is None else uniforms[batch, j],
-                             scratch[:rows])
-        out[batch, j] = tokens
-        if uniforms is not None:  # sample_next left the tempered probabilities, before top-p, in scratch
-            drawn = scratch[:rows].gather(1, tokens[:, None]).squeeze(1).log()
-            logprobs[batch] += torch.where(alive, drawn, 0.0)
+    n_rows, steps = len(prompts), sampling.max_new_tokens
+    width = max(map(len, prompts))  # prompts end at column `width`; completion token j sits in column width + j
+    cache = KVCache.zeros(run.w, n_rows, width + steps, run.dtype, run.device)
+    logits = torch.empty(n_rows, len(run.w.head), dtype=torch.float32, device=run.device)  # the step's logits
+    probs = torch.empty_like(logits)                                                      # their probabilities
+    prefill(run, cache, prompts, width, logits)
+    start = width - torch.tensor([len(p) for p in prompts], device=run.device)
+    batch = Batch(torch.arange(n_rows, device=run.device), start,
+                  torch.ones(n_rows, dtype=torch.bool, device=run.device), int(start.min()))
+    out = torch.empty(n_rows, steps, dtype=torch.long, device=run.device)
+    ends, reasons = [steps] * n_rows, ["length"] * n_rows  # tokens kept per row, why it stopped
+    logprobs = torch.zeros(n_rows, dtype=torch.float32, device=run.device)  # sum of log pi_T(drawn token) per row
+    bar = tqdm(total=steps, desc=progress, unit="tok", leave=False, disable=not progress)
+    for j in range(steps):
+        b = len(batch.rows)
+        tokens = sample_next(logits[:b], sampling.temperature, sampling.top_p,
+                             None if uniforms is None else uniforms[batch.rows, j], probs[:b])
+        out[batch.rows, j] = tokens
+        if uniforms is not None:  # sample_next left the tempered probabilities, before top-p, in probs
+            drawn = probs[:b].gather(1, tokens[:, None]).squeeze(1).log()
+            logprobs[batch.rows] += torch.where(batch.alive, drawn, 0.0)
         bar.update()
-        bar.set_postfix(rows=len(batch), refresh=False)
-        if j == max_new_tokens - 1:
+        bar.set_postfix(rows=b, refresh=False)
+        if j == steps - 1:
             break
-        if len(eos):
-            stopped = alive & torch.isin(tokens, eos)
-            for row in batch[stopped].tolist():
-                ends[row], reasons[row] = j + 1, "eos"
-            alive &= ~stopped
-            live = int(alive.sum())
-            if live == 0:
+        if len(run.eos):
+            batch, tokens = _finish_rows(cache, batch, tokens, run.eos, step=j, ends=ends, reasons=reasons)
+            if batch is None:
                 break
-            if len(batch) - live >= max(1, COMPACT_WHEN_FINISHED * len(batch)):
-                keep = alive.nonzero().squeeze(1)
-                for i in range(len(w.layers)):  # layer by layer: the gather's temporary stays one layer large
-                    k_cache[i, :live] = k_cache[i, keep]
-                    v_cache[i, :live] = v_cache[i, keep]
-                batch, first, tokens, alive = batch[keep], first[keep], tokens[keep], alive[keep]
-        rows, col = len(batch), width + j
-        # compiled: attend over the whole cache so every step has the same shapes (no recompiles)
-        seen = columns if compile else columns[:col + 1]
-        mask = ((seen >= first[:, None]) & (seen <= col))[:, None, None, :]
-        logits[:rows] = step(w, tokens[:, None], (col - first)[:, None], columns[col:col + 1], k_cache[:, :rows],
-                             v_cache[:, :rows], mask, cos, sin)
+        logits[:len(batch.rows)] = decode_one_token(run, cache, batch, tokens, width + j)
     bar.close()
     out = out.tolist()
     logprobs = logprobs.tolist() if uniforms is not None else [None] * n_rows
     return [(out[row][:ends[row]], reasons[row], logprobs[row]) for row in range(n_rows)]
+
+
+def _finish_rows(cache: KVCache, batch: Batch, tokens, eos, *, step: int, ends, reasons):
+    """Rows that drew an end-of-sequence token at `step` finish (ends, reasons record it); once
+    COMPACT_WHEN_FINISHED of the batch has, the live rows move to the front of the cache and the batch
+    shrinks. Returns the batch (None when no row is left) and its rows' tokens."""
+    stopped = batch.alive & torch.isin(tokens, eos)
+    for row in batch.rows[stopped].tolist():
+        ends[row], reasons[row] = step + 1, "eos"
+    alive = batch.alive & ~stopped
+    live = int(alive.sum())
+    if live == 0:
+        return None, tokens
+    if len(alive) - live < max(1, COMPACT_WHEN_FINISHED * len(alive)):
+        return Batch(batch.rows, batch.start, alive, batch.first_column), tokens
+    keep = alive.nonzero().squeeze(1)
+    for i in range(len(cache.k)):  # layer by layer: the gather's temporary stays one layer large
+        cache.k[i, :live] = cache.k[i, keep]
+        cache.v[i, :live] = cache.v[i, keep]
+    start = batch.start[keep]
+    return Batch(batch.rows[keep], start, alive[keep], int(start.min())), tokens[keep]
+
+
+def decode_one_token(run: Run, cache: KVCache, batch: Batch, tokens, column: int):
+    """Logits (rows, vocab) of the token after `tokens` (rows,), whose keys and values go into cache column
+    `column`. Attention reads the columns from the batch's first prompt column to `column`: the padding
+    before it, which no row attends to, is skipped. Compiled, it reads the whole cache instead, so every
+    step has the same shapes and nothing recompiles."""
+    lo = 0 if run.compile else batch.first_column
+    seen = torch.arange(lo, cache.k.shape[3] if run.compile else column + 1, device=run.device)
+    mask = ((seen >= batch.start[:, None]) & (seen <= column))[:, None, None, :]  # (rows, 1, 1, columns seen)
+    at = torch.tensor([column - lo], device=run.device)
+    return run.step(run.w, tokens[:, None], (column - batch.start)[:, None], at, cache.window(len(batch.rows), lo),
+                    mask, run.rotary)
 
 
 # --------------------------------------------------------------------------- benchmark
@@ -670,18 +847,127 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
           f"products alone, timed on their own with these weights")
 
 
+
+# --------------------------------------------------------------------------- benchmark: the verifier's prompts
+
+BASELINE_REV = "5e94512"  # main before shared-prefix prefill (issue 15): the old path of --verifier-prompts
+
+
+def written_rollout(problem: dict, k: int) -> str:
+    """A rollout for the bench: k + 2 reasoning steps, then the right answer (k even) or a wrong one."""
+    steps = "\n".join(f"Step {i + 1}: take the quantities the problem gives and combine them as it asks; "
+                      f"check the units and the arithmetic once more." for i in range(2 + 3 * k))
+    answer = problem["answer"] if k % 2 == 0 else problem["answer"] + "1"
+    return f"We read the problem carefully.\n{problem['problem']}\n{steps}\nSo the answer is $\\boxed{{{answer}}}$."
+
+
+def verifier_bench_prompts(tokenizer, problems: int, rollouts: int) -> list[list[int]]:
+    """Token ids of problems x rollouts verifier prompts (demo problems, written rollouts), in the verifier's
+    chat template as model_verifier sends them: a step's N rollouts of one question share the system
+    prompt and the problem."""
+    from verifier import VERIFIER_SYSTEM, verifier_prompt
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "demo.jsonl")) as fh:
+        records = [json.loads(line) for line in fh][:problems]
+    chats = [tokenizer.apply_chat_template([{"role": "system", "content": VERIFIER_SYSTEM},
+                                            {"role": "user", "content": verifier_prompt(r["problem"], written_rollout(r, k))}],
+                                           tokenize=False, add_generation_prompt=True)
+             for r in records for k in range(rollouts)]
+    return [tokenizer(chat, add_special_tokens=False).input_ids for chat in chats]
+
+
+def baseline_sampler(rev: str):
+    """sampler.py as it was at git revision `rev`, imported under the name sampler_<rev>."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    source = subprocess.run(["git", "show", f"{rev}:sampler.py"], cwd=here, capture_output=True, text=True,
+                            check=True).stdout
+    module = types.ModuleType(f"sampler_{rev}")
+    exec(compile(source, f"sampler.py@{rev}", "exec"), module.__dict__)
+    return module
+
+
+def prefill_flop(model, tokens: int) -> int:
+    """FLOP of the weight matrix products for `tokens` prompt tokens (2 per weight and token; the tied or separate
+    head counted for one token per prompt, so left out)."""
+    body = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
+    return 2 * body * tokens
+
+
+def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, baseline_rev):
+    """Old (git revision baseline_rev) against new sampler on the verifier prompts of one step: prefill alone
+    (max_new_tokens=1), then whole verifier generations, seeded, so both paths give the same tokens."""
+    device = torch.device(device)
+    model, tokenizer = bench_model(spec, device)
+    if tokenizer is None:  # random weights: the embedded model's tokenizer (Qwen2.5's vocabulary) writes the prompts
+        from model import load_model
+        tokenizer = load_model("embedded")[1]
+    prompts = verifier_bench_prompts(tokenizer, problems, rollouts)
+    plan = prefix_plan([list(p) for p in dict.fromkeys(map(tuple, prompts))])
+    total = sum(map(len, prompts))
+    own = sum(len(p) - step.shared for p, step in zip(dict.fromkeys(map(tuple, prompts)), plan))
+    matmul_rate = measure_matmul(device, dtype)
+    print(f"model {spec}, {dtype}, {device}, {torch.get_num_threads()} threads; {len(prompts)} verifier prompts, "
+          f"{total} tokens (mean {total / len(prompts):.0f}), {own} of them after a shared start; "
+          f"matmul rate {matmul_rate / 1e9:.0f} GFLOP/s")
+    options = dict(n=1, temperature=0.6, top_p=0.95, seed=0, dtype=dtype)
+    paths = [(f"old ({baseline_rev})", baseline_sampler(baseline_rev)), ("new", sys.modules[__name__])]
+    results = {}
+    for label, module in paths:
+        prefill_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options)
+        total_s = prefill_s
+        if max_new_tokens > 1:
+            total_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=max_new_tokens, **options)
+        results[label] = (prefill_s, total_s, [g[0].token_ids for g in out])
+    (old_label, old), (new_label, new) = results.items()
+    same = old[2] == new[2]
+    generated = sum(map(len, new[2]))
+    print(f"{max_new_tokens} new tokens at most, {generated} generated ({generated / len(prompts):.0f} per rollout); "
+          f"same tokens on both paths: {same}")
+    print(f"{'path':<16} {'':>4} {'prefill s':>9} {'prompt tok/s':>12} {'x matmul rate':>13} {'total s':>8} "
+          f"{'s/rollout':>9}")
+    for label, (prefill_s, total_s, _) in results.items():
+        ran = total if label == old_label else own
+        for clock, i in (("wall", 0), ("cpu", 1)):
+            print(f"{label:<16} {clock:>4} {prefill_s[i]:>9.1f} {total / prefill_s[i]:>12.0f} "
+                  f"{prefill_flop(model, ran) / prefill_s[i] / matmul_rate:>13.2f} {total_s[i]:>8.1f} "
+                  f"{total_s[i] / len(prompts):>9.2f}")
+    print("new / old: " + ", ".join(f"{clock} prefill {new[0][i] / old[0][i]:.2f}, total {new[1][i] / old[1][i]:.2f}"
+                                    for clock, i in (("wall", 0), ("cpu", 1))))
+    print("x matmul rate: the prefill's matrix products on the tokens each path runs, per second, over the rate of "
+          "one large matmul; cpu: this process's CPU seconds (with one thread, what a shared machine's wall clock "
+          "inflates least)")
+
+
+def _timed(fn, *args, **kwargs):
+    """((wall seconds, this process's CPU seconds), fn's result)."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn(*args, **kwargs)
+    return (time.perf_counter() - wall, time.process_time() - cpu), out
+
+
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(description="Benchmark the hf and kv sampling backends side by side.")
+    parser = argparse.ArgumentParser(description="Benchmark the hf and kv sampling backends side by side, or (with "
+                                                 "--verifier-prompts) the kv sampler against its old self on the "
+                                                 "verifier's prompts.")
     parser.add_argument("--bench", action="store_true", required=True)
     parser.add_argument("--model-config", default="embedded",
                         help="'embedded' (default), 'qwen2.5-1.5b' (random weights) or a config.json path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--n", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
-                        help="model dtypes to run (bfloat16 adds the dtype=bf16 row on float32 weights)")
+                        help="model dtypes to run (bfloat16 adds the dtype=bf16 row on float32 weights; "
+                             "--verifier-prompts takes the first)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--compile", action="store_true", help="add rows with the kv decode step under torch.compile")
+    parser.add_argument("--verifier-prompts", action="store_true",
+                        help="old (--baseline) against new sampler on one step's verifier prompts")
+    parser.add_argument("--problems", type=int, default=8, help="--verifier-prompts: demo problems")
+    parser.add_argument("--rollouts", type=int, default=4, help="--verifier-prompts: written rollouts per problem")
+    parser.add_argument("--baseline", default=BASELINE_REV, help="--verifier-prompts: git revision of the old path")
     args = parser.parse_args()
-    bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile,
-          [getattr(torch, name) for name in args.dtypes])
+    dtypes = [getattr(torch, name) for name in args.dtypes]
+    if args.verifier_prompts:
+        bench_verifier(args.model_config, args.device, dtypes[0], args.max_new_tokens, args.problems, args.rollouts,
+                       args.baseline)
+    else:
+        bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile, dtypes)

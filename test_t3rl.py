@@ -42,7 +42,7 @@ from grpo import (
     policy_loss,
     token_logprobs,
 )
-from sampler import cache_bytes_per_row, generate, nucleus, sample_next
+from sampler import cache_bytes_per_row, generate, nucleus, prefix_plan, sample_next
 from sandbox import SandboxPool, run_snippet
 from answers import EQUIV_CASES, answer_key, extract_answer, is_equiv, same_answer
 from verifier import (
@@ -1001,6 +1001,48 @@ def test_samples_do_not_depend_on_waves_or_on_finished_rows_leaving_the_batch():
     assert token_rows(waves) == token_rows(whole)
     lengths = [c.num_tokens for g in whole for c in g]
     assert min(lengths) < max(lengths) == 10, "no row left the batch early: the test would not cover compaction"
+
+
+# Shared-prefix prefill runs a prompt's tokens after the start it shares with another prompt, in one forward with
+# the other prompts of its level: greedy tokens must be those of the prompt prefilled alone, in its own call.
+SYSTEM = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872, 198]  # a chat system turn
+
+
+def greedy_alone_and_together(model, prompts, dtype):
+    options = dict(n=2, max_new_tokens=12, temperature=0, ignore_eos=True, dtype=dtype)
+    alone = [token_rows(generate(model, None, [prompt], **options))[0] for prompt in prompts]
+    return alone, token_rows(generate(model, None, prompts, **options))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_sharing_nothing_prefilled_together_decode_as_alone(tokenizer, dtype):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    assert [(step.shared, step.level) for step in prefix_plan(PROMPTS)] == [(0, 0)] * 3  # one forward for all three
+    alone, together = greedy_alone_and_together(model, PROMPTS, dtype)
+    assert together == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_sharing_a_prefix_decode_as_alone(tokenizer, dtype):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    prompts = [SYSTEM + p for p in PROMPTS] + [SYSTEM + PROMPTS[0][:5] + [40, 2]]
+    plan = prefix_plan(prompts)
+    # the system turn is prefilled once; the last prompt also shares the first's next 5 tokens (a second level)
+    assert sorted(step.shared for step in plan) == [0, len(SYSTEM), len(SYSTEM), len(SYSTEM) + 5]
+    assert max(step.level for step in plan) == 2
+    alone, together = greedy_alone_and_together(model, prompts, dtype)
+    assert together == alone
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_that_are_prefixes_of_each_other_decode_as_alone(tokenizer, dtype):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    prompts = [SYSTEM + PROMPTS[0], SYSTEM, SYSTEM + PROMPTS[0] + PROMPTS[1], SYSTEM[:3]]
+    plan = prefix_plan(prompts)
+    # each longer prompt copies the whole of the next shorter one and prefills only what it adds
+    assert [step.shared for step in plan] == [len(SYSTEM), 3, len(SYSTEM + PROMPTS[0]), 0]
+    alone, together = greedy_alone_and_together(model, prompts, dtype)
+    assert together == alone
 
 
 def test_eos_ends_a_row_with_the_eos_token_and_others_run_to_length(tokenizer):
