@@ -2568,6 +2568,9 @@ def test_resume_lists_the_bookkeeping_options_it_may_change(finished_run, tmp_pa
     assert "[t3rl] --resume: --save-every 2 -> 1" in capsys.readouterr().err
 
 
+# ==========================================================================================================
+
+
 # =================================================================================================================
 # study.py: the evidence study (verified vote vs majority on the same samples)
 # =================================================================================================================
