@@ -38,6 +38,7 @@ import threading
 from fractions import Fraction
 
 EQUIV_TIME_LIMIT_S = 2.0
+MACHINE_DIGITS = 15  # a decimal with this many significant digits is a printed double, not a human rounding
 EQUIV_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "equiv_cases.jsonl")
 
 
@@ -45,7 +46,13 @@ EQUIV_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "
 # Extracting the final answer
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*(\{)?")
-_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*(.+)", re.IGNORECASE)
+_FINAL_ANSWER = re.compile(r"final answer\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
+_ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
+# $$...$$ and \[...\] may span lines, $...$ and \(...\) may not; "\$" is a dollar sign, not a delimiter
+_MATH_SPAN = re.compile(r"\$\$((?s:.+?))\$\$|(?<!\\)\$((?:\\\$|[^$\n])+?)(?<!\\)\$|\\\(([^\n]+?)\\\)|\\\[((?s:.+?))\\\]")
+# what may stand between boxes that together give one answer: "\boxed{-2} and \boxed{1}", "\boxed{1},\boxed{2}"
+_BOX_JOINER = re.compile(r"(?:\s|[,;.$~&]|\\[()\[\],;:! ]|\\q?quad\b|\\text\{[^{}\d]{0,30}\}|\b(?:and|or)\b)*")
+SHORT_RESPONSE_CHARS = 200
 
 
 def _braced(text, start):
@@ -61,27 +68,81 @@ def _braced(text, start):
     return None
 
 
-def extract_answer(text):
-    r"""The final answer in a model's output: the last \boxed{...} (or \fbox, or "\boxed 5"),
-    else a trailing "the answer is X". None when there is none."""
-    if text is None:
-        return None
-    for m in reversed(list(_BOX.finditer(text))):
+def _boxes(text):
+    """(start, end, content) of every closed, non-empty \boxed{...} / \fbox{...} / "\boxed 5", outermost only."""
+    found = []
+    for m in _BOX.finditer(text):
+        if found and m.start() < found[-1][1]:
+            continue  # a box inside the previous one
         if m.group(1):
             content = _braced(text, m.start(1))
+            end = m.start(1) + len(content) + 2 if content is not None else None
         else:
             token = re.match(r"[^\s$]+", text[m.end():])
-            content = token.group(0) if token else None
+            content, end = (token.group(0), m.end() + token.end()) if token else (None, None)
         if content is not None and content.strip():
-            return content.strip()
-    sentences = _ANSWER_IS.findall(text)
-    if not sentences:
+            found.append((m.start(), end, content.strip()))
+    return found
+
+
+def _math_spans(text):
+    r"""(start, end, content) of every $...$, $$...$$, \(...\), \[...\] span."""
+    return [(m.start(), m.end(), next(g for g in m.groups() if g is not None).strip()) for m in _MATH_SPAN.finditer(text)]
+
+
+def _last_run(text, spans):
+    """Start and content of the last span, joined with the spans just before it that only connectors separate."""
+    spans = [span for span in spans if span[2]]
+    if not spans:
+        return None, None
+    run = [spans[-1]]
+    for span in reversed(spans[:-1]):
+        if not _BOX_JOINER.fullmatch(text[span[1]:run[0][0]]):
+            break
+        run.insert(0, span)
+    return run[0][0], ", ".join(content for _, _, content in run)
+
+
+def _sentence_answer(text, match):
+    """What follows an "answer is" match: its leading math span, else the sentence up to its full stop."""
+    rest = text[match.end():]
+    math = _MATH_SPAN.match(rest)
+    if math:
+        answer = next(g for g in math.groups() if g is not None)
+    else:
+        answer = re.split(r"\.(?:\s|$)|\n|\s+I hope\b", rest)[0]
+    return answer.strip().strip("$").strip() or None
+
+
+def extract_answer(text):
+    r"""The final answer in a model's output, or None when it states none. The rules, first match wins:
+
+    1. A "final answer is X" / "Final Answer: X" sentence after the last box (Minerva's "Final Answer: The
+       final answer is $X$. I hope it is correct.", or a conclusion that overrides a mid-solution box): X is
+       the sentence's leading math span ($X$, \(X\), ...), else the sentence up to its full stop.
+    2. The last \boxed{...} (or \fbox{...}, or "\boxed 5"); empty and unclosed boxes do not count. Boxes
+       just before it that only connectors separate (commas, "and", "or", \quad, $, a short \text{...}
+       without digits) belong to the same answer: "\boxed{-2} and \boxed{1}" gives "-2, 1".
+    3. The last "the answer is X" / "final answer: X" sentence, read as in rule 1.
+    4. A short response (at most SHORT_RESPONSE_CHARS characters, e.g. "Answer: $9$" or "We find $x<3$."):
+       its last math span, joined with the spans before it like boxes ("$1$ and $2$"). Unmarked prose
+       ("the number is 10") gives no answer, and a long solution that never marks its answer has none, so that a truncated rollout does not
+       vote with an intermediate value."""
+    if text is None:
         return None
-    answer = sentences[-1].split("\n")[0].strip()
-    answer = re.sub(r"\.?\s*$", "", answer).strip()  # the full stop ending the sentence
-    answer = answer.strip("$").strip()
-    answer = re.sub(r"^\\\(|\\\)$", "", answer).strip()
-    return answer or None
+    box_start, boxed = _last_run(text, _boxes(text))
+    finals = [m for m in _FINAL_ANSWER.finditer(text) if box_start is None or m.start() > box_start]
+    if finals and _sentence_answer(text, finals[-1]):
+        return _sentence_answer(text, finals[-1])
+    if boxed is not None:
+        return boxed
+    sentences = list(_ANSWER_IS.finditer(text))
+    if sentences:
+        return _sentence_answer(text, sentences[-1])
+    short = text.strip()
+    if len(short) > SHORT_RESPONSE_CHARS:
+        return None
+    return _last_run(short, _math_spans(short))[1]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -90,7 +151,7 @@ def extract_answer(text):
 _UNICODE = {"\u2212": "-", "\u221e": r"\infty", "\u2264": r"\le ", "\u2265": r"\ge ", "\u00b0": r"^\circ",
             "\u00d7": r"\times ", "\u00b7": r"\cdot ", "\u03c0": r"\pi ", "\u00b1": r"\pm ", "\u222a": r"\cup ",
             "\u2009": r"\,", "\u202f": r"\,", "\u00a0": " "}
-_SPACING = re.compile(r"(?<!\\)\\[,;:! ]|\\q?quad\b|~")
+_SPACING = re.compile(r"(?<!\\)\\[,;:! ]|\\q?quad|~")
 _UNITS = (r"(?:square\s+|sq\.?\s+|cubic\s+)?(?:units?|cm|mm|km|m|meters?|metres?|inch(?:es)?|in|feet|foot|ft|"
           r"yards?|miles?|mph|seconds?|minutes?|hours?|days?|years?|cents?|dollars?|degrees?|pounds?|"
           r"grams?|kg|liters?|people|students|ways|sq)")
@@ -102,7 +163,7 @@ _FRAC = re.compile(r"^([-+]?)(\d*)\\frac\{([-+]?\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?
 _SLASH = re.compile(r"^([-+]?)(\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)$")
 _SCIENTIFIC = re.compile(r"^([-+]?\d*\.?\d+)(?:\\times|\\cdot)10\^\{?([-+]?\d+)\}?$|^([-+]?\d*\.?\d+)e([-+]?\d+)$")
 _RELATION = {r"\leq": "<=", r"\leqslant": "<=", r"\le": "<=", r"\geq": ">=", r"\geqslant": ">=", r"\ge": ">=",
-             r"\lt": "<", r"\gt": ">", "=<": "<=", "=>": ">="}
+             r"\lt": "<", r"\gt": ">", "=<": "<=", "=>": ">=", r"\neq": "!=", r"\ne": "!="}
 _INFINITY = re.compile(r"\\infty|\\inf\b|\binf(?:inity)?\b|\boo\b")
 
 
@@ -160,6 +221,9 @@ def _number(s):
         value = Fraction(int(whole + decimals), 10 ** len(decimals))
         if repeat:
             value += Fraction(int(repeat), (10 ** len(repeat) - 1) * 10 ** len(decimals))
+        elif len((whole + decimals).lstrip("0")) >= MACHINE_DIGITS:  # a printed double: the fraction it rounds
+            simple = value.limit_denominator(10 ** 6)
+            value = simple if abs(simple - value) <= abs(value) * Fraction(1, 10 ** 15) else value
         return -value if sign == "-" else value
     m = _FRAC.match(s)
     if m:
@@ -200,7 +264,7 @@ def _clean(s):
     # thousands separators: "10,\!080", "10\,080", "10{,}080", thin spaces
     s = re.sub(r"(?<=\d)(?:,\s*\\!|\{,\}|\\,|\\!|\\ |\\;)\s*(?=\d{3}(?!\d))", "", s)
     s = re.sub(r"\^\s*\{?\\circ\}?|\\circ|\\degree|\\text\{\s*degrees?\s*\}", "", s)
-    s = re.sub(r"\s*(?:\\?%|\\text\{\s*percent\s*\}|percent)$", "%", s)
+    s = re.sub(r"\s*(?:\\?%|\\text\{\s*(?:percent(?:age)?|pct)\s*\}|percent(?:age)?|pct\.?)$", "", s)
     s = re.sub(r"\\\$|\$", "", s)
     s = re.sub(r"^\\text\{\s*\}", "", s)
     while True:
@@ -208,14 +272,10 @@ def _clean(s):
         if stripped == s:
             break
         s = stripped
-    s = _SPACING.sub(" ", s)
-    return s.strip()
-
-
-def _plain_thousands(s):
-    """'1,000' and '58,500' are numbers; '1, 000' and '1,-2' are lists."""
-    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
-        return s.replace(",", "")
+    s = re.sub(r"\s*\\text\{\s*and\s*\}\s*|\s+and\s+", ", ", s)  # "p=-1 \text{ and } p=2": a list
+    s = _SPACING.sub(" ", s).strip()
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):  # '58,500' is a number; '32, 349' is a list
+        s = s.replace(",", "")
     return s
 
 
@@ -229,8 +289,6 @@ def _canonical_atom(s):
     value = _number(s)
     if value is not None:
         return _fraction_str(value)
-    if s.endswith("%") and _number(s[:-1]) is not None:
-        return _fraction_str(_number(s[:-1])) + "%"
     s = re.sub(r"\\sqrt([^{\\\[])", r"\\sqrt{\1}", s)
     s = re.sub(r"\^\{(\w)\}", r"^\1", s)
     s = re.sub(r"_\{(\w)\}", r"_\1", s)
@@ -266,22 +324,38 @@ def _inequality_interval(s):
         if r1[0] == ">":
             lo, hi, r1, r2 = hi, lo, r2.replace(">", "<"), r1.replace(">", "<")
         return ("[" if r1 == "<=" else "(") + f"{lo},{hi}" + ("]" if r2 == "<=" else ")")
-    one = re.fullmatch(r"([a-zA-Z])" + rel + r"(.+)|(.+?)" + rel + r"([a-zA-Z])", s)
-    if not one or re.search(r"[<>=]", (one.group(3) or "") + (one.group(4) or "")):
+    one = re.fullmatch(r"(-?)([a-zA-Z])" + rel + r"(.+)|(.+?)" + rel + r"(-?)([a-zA-Z])", s)
+    if not one or re.search(r"[<>=]", (one.group(4) or "") + (one.group(5) or "")):
         return None
-    if one.group(1):
-        r, bound = one.group(2), one.group(3)
+    flip = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
+    if one.group(2):
+        negated, r, bound = one.group(1), one.group(3), one.group(4)
     else:
-        bound, r = one.group(4), {"<": ">", ">": "<", "<=": ">=", ">=": "<="}[one.group(5)]
+        negated, bound, r = one.group(7), one.group(5), flip[one.group(6)]
+    if negated:  # -x > -1  is  x < 1
+        value = _number(_canonical_atom(bound))
+        bound, r = (_fraction_str(-value) if value is not None else f"-({bound})"), flip[r]
     if r[0] == "<":
         return r"(-\infty," + bound + ("]" if r == "<=" else ")")
     return ("[" if r == ">=" else "(") + bound + r",\infty)"
+
+
+_NAME = r"[A-Za-z]+(?:_\{?\w+\}?)?'*"
+_LABEL = (rf"{_NAME}(?:\({_NAME}(?:,{_NAME})*\))?|\({_NAME}(?:,{_NAME})+\)|\|{_NAME}\||{_NAME}:{_NAME}"
+          rf"|\\frac\{{{_NAME}\}}\{{{_NAME}\}}")
+_LABELLED = re.compile(rf"({_LABEL})=([^=]+)")  # a name (x, AB, x_1, f(x), (p,q), |AB|, A:B, \frac{NO}{BO}) = value
 
 
 def _structure(s):
     """Key of a cleaned answer with its outer structure: matrix, tuple, interval, union, set, list."""
     s = "".join(s.split())
     s = re.sub(r"^[a-zA-Z]\\in(?=.)", "", s)  # 'x \in [-2,7]'
+    chain = _split_top(s, "=")
+    if len(chain) > 2 and len(_split_top(s, ",")) == 1 and chain[-1] and not re.search(r"[<>!]$", chain[-2]):  # 'x = 5+5+1 = 11': the last value
+        s = chain[-1]
+    label = _LABELLED.fullmatch(s)
+    if label:  # 'x=5', '(p,q)=(3,2)', 'f(x)=1', 'a=4,-8,-10': the value
+        s = label.group(2)
     m = re.fullmatch(r"(.*?)\\begin\{pmatrix\}(.*)\\end\{pmatrix\}", s)
     factor = _number(_canonical_atom(m.group(1))) if m and m.group(1) else 1
     if m and factor is not None:
@@ -307,12 +381,15 @@ def _structure(s):
     if interval:
         return interval
     m = re.fullmatch(r"\\\{(.*)\\\}", s)
-    items = _split_top(m.group(1) if m else _plain_thousands(s), ",")
+    items = _split_top(m.group(1) if m else s, ",")
     if len(items) == 1 and not m and r"\pm" not in s:
-        return _assignment_value(_canonical_atom(items[0]))
-    variables = {re.match(r"([a-zA-Z])=", i).group(1) if re.match(r"[a-zA-Z]=[^=]+$", i) else None for i in items}
-    if len(variables) == 1 and None not in variables:
-        items = [i[2:] for i in items]
+        return _canonical_atom(items[0])
+    labelled = [_LABELLED.fullmatch(i) for i in items]
+    names = {re.sub(r"_.*", "", l.group(1)) for l in labelled if l}
+    if all(labelled) and len(names) == 1:  # 'x=1, x=-2', 'x_1=1, x_2=-2': the roots
+        items = [l.group(2) for l in labelled]
+    elif all(labelled) and len(names) == len(items):  # 'AB=4, CD=5', 'y=2, x=1': a tuple in the order of the names
+        return "(" + ",".join(_canonical_atom(l.group(2)) for l in sorted(labelled, key=lambda l: l.group(1))) + ")"
     expanded = []
     for item in items:
         if item.count(r"\pm") == 1:
@@ -320,12 +397,6 @@ def _structure(s):
         else:
             expanded.append(item)
     return r"\{" + ",".join(sorted(_canonical_atom(i) for i in expanded)) + r"\}"
-
-
-def _assignment_value(s):
-    """'x=5' -> '5'; 'y=2x+3' -> '2x+3'; equations with more on the left stay."""
-    m = re.fullmatch(r"[a-zA-Z]=([^=]+)", s)
-    return _canonical_atom(m.group(1)) if m else s
 
 
 def _interval_or_none(s):
@@ -459,8 +530,7 @@ _worker = _SymbolicWorker()
 os.register_at_fork(after_in_child=_worker.forget_after_fork)
 
 
-_NUMBER_KEY = re.compile(r"-?\d+(?:/\d+)?")
-_PLAIN = re.compile(r"-?\d+(?:/\d+)?%?|[A-E]|[a-z]{3,}")
+_PLAIN = re.compile(r"-?\d+(?:/\d+)?|[A-E]|[a-z]{3,}")
 _EQUATION = re.compile(r"(?<![<>!])=")
 _IN_BASE = re.compile(r"(\d+)_(\d+)")
 
@@ -468,17 +538,14 @@ _IN_BASE = re.compile(r"(\d+)_(\d+)")
 def _decided_by_strings(key_a, key_b):
     """True/False when the keys alone decide, None when sympy has to.
 
-    Two different plain numbers, choice letters or words differ; an equation (what is left after
-    answer_key took 'x =' off) differs from a value. 9% equals 9 (the question asked "what
-    percent?") and 0.09. A number in a base (52_8) equals the same digits written without the base (the
-    question names the base), but not the digits in another base."""
+    An empty answer equals nothing. Two different plain numbers, choice letters or words differ; an
+    equation (what is left after answer_key took 'x =' off) differs from a value. A number in a base (52_8)
+    equals the same digits written without the base (the question names the base), but not the digits in
+    another base."""
+    if not key_a or not key_b:
+        return False
     if key_a == key_b:
         return True
-    percents = [k for k in (key_a, key_b) if k.endswith("%") and _NUMBER_KEY.fullmatch(k[:-1])]
-    if len(percents) == 1:
-        other = key_b if percents[0] == key_a else key_a
-        value = Fraction(percents[0][:-1])
-        return _NUMBER_KEY.fullmatch(other) is not None and Fraction(other) in (value, value / 100)
     if _PLAIN.fullmatch(key_a) and _PLAIN.fullmatch(key_b):
         return False
     if (_EQUATION.search(key_a) is None) != (_EQUATION.search(key_b) is None):
@@ -539,49 +606,56 @@ def _is_equiv_uncached(pred, gold):
     return is_equiv(pred, gold)
 
 
-def bench_equiv(path=EQUIV_CASES):
-    """Accuracy, false positives/negatives and median ms per call of three answer checkers, side by side."""
-    import logging
-    import statistics
+def _run_checker(check, cases, desc):
+    """What `check` said on each case, and the milliseconds each call took."""
     import time
     from tqdm import tqdm
+    said, times = [], []
+    for case in tqdm(cases, desc=desc, leave=False):
+        start = time.perf_counter()
+        said.append(bool(check(case["pred"], case["gold"])))
+        times.append(1000 * (time.perf_counter() - start))
+    return said, times
+
+
+def bench_equiv(path=EQUIV_CASES):
+    """Accuracy, false positives/negatives and ms per call of three answer checkers side by side, then
+    math-verify and is_equiv per category, then every case either of them gets wrong."""
+    import logging
+    import statistics
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     with open(path) as f:
         cases = [json.loads(line) for line in f]
-    is_equiv("1", "2")  # start the helper process outside the timings
+    _worker.equal("x", "x", EQUIV_TIME_LIMIT_S)  # start the helper process outside the timings
     checkers = {"string match": _string_match, "math-verify": _bare_math_verify, "is_equiv": _is_equiv_uncached}
-    rows, errors = [], {}
-    for name, check in checkers.items():
-        times, false_pos, false_neg = [], [], []
-        for case in tqdm(cases, desc=name, leave=False):
-            start = time.perf_counter()
-            said = bool(check(case["pred"], case["gold"]))
-            times.append(1000 * (time.perf_counter() - start))
-            if said and not case["equal"]:
-                false_pos.append(case)
-            elif case["equal"] and not said:
-                false_neg.append(case)
-        right = len(cases) - len(false_pos) - len(false_neg)
-        rows.append((name, 100 * right / len(cases), len(false_pos), len(false_neg),
-                     statistics.median(times), max(times)))
-        errors[name] = false_pos + false_neg
-        if name == "is_equiv":
-            symbolic_ms = [t for t, c in zip(times, cases)
-                           if _decided_by_strings(answer_key(c["pred"]), answer_key(c["gold"])) is None]
+    results = {name: _run_checker(check, cases, name) for name, check in checkers.items()}
     equal = sum(c["equal"] for c in cases)
     print(f"{len(cases)} labelled cases ({equal} equal, {len(cases) - equal} not equal) from {path}")
     print(f"{'checker':<14}{'accuracy':>10}{'false +':>9}{'false -':>9}{'median ms':>11}{'max ms':>9}")
-    for name, accuracy, false_pos, false_neg, median_ms, max_ms in rows:
-        print(f"{name:<14}{accuracy:>9.1f}%{false_pos:>9}{false_neg:>9}{median_ms:>11.2f}{max_ms:>9.1f}")
+    for name, (said, times) in results.items():
+        false_pos = sum(s and not c["equal"] for s, c in zip(said, cases))
+        false_neg = sum(c["equal"] and not s for s, c in zip(said, cases))
+        print(f"{name:<14}{100 * (1 - (false_pos + false_neg) / len(cases)):>9.1f}%{false_pos:>9}{false_neg:>9}"
+              f"{statistics.median(times):>11.2f}{max(times):>9.1f}")
+    symbolic_ms = [t for t, c in zip(results["is_equiv"][1], cases)
+                   if _decided_by_strings(answer_key(c["pred"]), answer_key(c["gold"])) is None]
     print(f"is_equiv sent {len(symbolic_ms)} of {len(cases)} cases to sympy: median {statistics.median(symbolic_ms):.2f} ms, "
           f"max {max(symbolic_ms):.1f} ms; the rest were decided by answer_key alone")
+    print(f"\n{'category':<16}{'cases':>6}{'math-verify':>13}{'is_equiv':>10}   (right; false positives in brackets)")
+    for category in sorted({c["category"] for c in cases}):
+        rows = [i for i, c in enumerate(cases) if c["category"] == category]
+        cells = []
+        for name in ("math-verify", "is_equiv"):
+            said = results[name][0]
+            right = sum(said[i] == cases[i]["equal"] for i in rows)
+            false_pos = sum(said[i] and not cases[i]["equal"] for i in rows)
+            cells.append(f"{right}" + (f" ({false_pos})" if false_pos else ""))
+        print(f"{category:<16}{len(rows):>6}{cells[0]:>13}{cells[1]:>10}")
     for name in ("math-verify", "is_equiv"):
-        by_category = {}
-        for case in errors[name]:
-            by_category.setdefault(case["category"], []).append(case)
-        print(f"\n{name} errors by category: " + (", ".join(f"{c} {len(v)}" for c, v in sorted(by_category.items())) or "none"))
-        for case in errors[name]:
-            print(f"  {'FP' if not case['equal'] else 'FN'} [{case['category']}] pred={case['pred']!r} gold={case['gold']!r}")
+        print(f"\n{name} errors:")
+        for s, case in zip(results[name][0], cases):
+            if s != case["equal"]:
+                print(f"  {'FP' if s else 'FN'} [{case['category']}] pred={case['pred']!r} gold={case['gold']!r}")
 
 
 if __name__ == "__main__":

@@ -445,6 +445,24 @@ def test_metrics_when_nobody_finds_gold():
     ("I am not sure.", None),
     ("\\boxed{}", None),
     ("\\boxed{unclosed", None),
+    # Minerva's format: the sentence's math span, not the rest of the sentence
+    ("so $x=5$.\nFinal Answer: The final answer is $100$. I hope it is correct.", "100"),
+    ("Final Answer: The final answer is 7/2. I hope it is correct.", "7/2"),
+    ("$= \\boxed{24}.$\nFinal Answer: The final answer is $24$. I hope it is correct.", "24"),
+    # a later "final answer is" overrides a mid-solution box; a box inside the sentence is the answer
+    ("after six months \\boxed{200} dollars ... so the final answer is 10,455.", "10,455"),
+    ("The final answer is $\\boxed{7}$.", "7"),
+    ("\\boxed{6}. Let me check: the answer is right.", "6"),  # only a *final* answer sentence beats a box
+    # boxes separated only by connectors are one answer; prose in between keeps only the last
+    ("The roots are \\boxed{-2} and \\boxed{1}.", "-2, 1"),
+    ("$\\boxed{(2, 2)} \\quad \\text{and} \\quad \\boxed{(6, 2)}$", "(2, 2), (6, 2)"),
+    ("first \\boxed{5}, wait, that is wrong: \\boxed{6}", "6"),
+    # a short response: its last math span; a long unmarked solution: none
+    ("Answer \\( (9+1) \\)", "(9+1)"),
+    ("We find that $x \\lt 3$.", "x \\lt 3"),
+    ("$1$ and $2$ and $3$", "1, 2, 3"),
+    ("Answer $ \n 9 \n $", None),  # $...$ does not span lines
+    ("Let $t$ be the time. " * 20 + "Then $t = 3$.", None),
 ])
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
@@ -476,6 +494,11 @@ EQUIV = [  # (pred, gold) pairs that are equal, one or more per category of the 
     ("\\textbf{(C)} 12", "\\text{(C)}"), ("C", "(C)"),                                    # choices
     ("142", "142.0"), ("25", "025"),                                                      # AMC / AIME
     ("\\frac{\\sqrt3}{3}", "\\frac{1}{\\sqrt3}"), ("1 \\pm \\sqrt{19}", "1-\\sqrt{19}, 1+\\sqrt{19}"),
+    ("(p,q)=(3,2)", "(3,2)"), ("AB=4, CD=5", "CD=5, AB=4"), ("a=4,\\,-8,\\,-10", "-10,-8,4"),       # labels
+    ("f(x)=1", "1"), ("p=-1 \\text{ and } p=\\dfrac{15}{8}", "p=-1, p=\\frac{15}{8}"),
+    ("-x > -1", "x < 1"), ("x \\neq 3", "x != 3"), ("x = 5+5+1 = 11", "11"),             # relations
+    ("28 pct", "28\\%"), ("28 percent", "28\\%"), ("9\\%", "9"),                              # percent words
+    ("0.0833333333333333", "\\frac{1}{12}"),                                               # a printed double
 ]
 NOT_EQUIV = [  # near misses
     ("141", "142.0"), ("-3", "3"), ("\\frac{3}{14}", "\\frac{14}{3}"),                   # off by one, sign, reciprocal
@@ -485,6 +508,9 @@ NOT_EQUIV = [  # near misses
     ("1", "1,-2"), ("1,-2,3", "1,-2"), ("1+\\sqrt{19}", "1 \\pm \\sqrt{19}"),              # missing / extra root
     ("6+5i", "6-5i"), ("(B)", "\\text{(C)}"), ("89^\\circ", "90^\\circ"), ("10,081", "10,\\!080"),
     ("0.\\overline{3}", "0.3"),
+    ("32, 349", "32349"), ("", ""), ("\\boxed{}", ""),                                       # false positives
+    ("(p,q)=(3,2)", "(2,3)"), ("AB=4, CD=5", "AB=5, CD=4"), ("f(x)=1", "2"),
+    ("-x > -1", "x > 1"), ("28 pct", "2.8\\%"), ("9\\%", "0.09"),
 ]
 
 
