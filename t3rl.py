@@ -43,7 +43,7 @@ from model import ModelLoadError, check_hub, check_spec, load_model
 from sampler import generate
 from sandbox import SandboxPool
 from verifier import model_verifier, verify_batch
-from voting import group_metrics, rewards, weighted_vote
+from voting import group_metrics, weighted_vote
 
 ROOT = Path(__file__).resolve().parent
 
@@ -94,6 +94,7 @@ class Vote:
     v: list[int]                         # [N] 1 = verified
     rewards: list[float]                 # [N] 1[a_i == label]
     keep: list[int]                      # [M] indices of the rollouts that go into the update
+    classes: object                      # voting.Vote: the answer classes that rewards and monitors come from
 
 
 def rl_step(step: int, questions: list[dict], learner: Learner) -> dict:
@@ -112,11 +113,11 @@ def rl_step(step: int, questions: list[dict], learner: Learner) -> dict:
     for rec, ans, ver in zip(shard, answers, verdicts):
         v = [0 if res is None else res.v for res in ver]
         # 3. the weighted vote's winner is the pseudo-label; 4. r_i = 1[a_i == label], no ground truth here
-        label, _ = weighted_vote(ans, v, omega=cfg.omega, **dom.classes)
-        r = rewards(ans, label, **dom.classes)
+        ballot = weighted_vote(ans, v, omega=cfg.omega, **dom.classes)
+        label, r = ballot.label, ballot.rewards()
         # 5. vote, then sample: M of the N rollouts, chosen at random, go into the update
         keep = random.Random(question_seed(cfg, step, rec["id"], "downsample")).sample(range(cfg.n_votes), cfg.n_train)
-        votes.append(Vote(label, v, r, sorted(keep)))
+        votes.append(Vote(label, v, r, sorted(keep), ballot))
     # 6. GRPO on every process's kept rollouts, an optimizer step per Q questions
     kept = gather_kept(shard, groups, votes, acc)
     with clock("update"):
@@ -584,10 +585,10 @@ def evaluate(policy, tokenizer, records, cfg: Config, acc, verifier, pool) -> di
         row = {"level": rec.get("level"), "pass@1": float(is_correct(greedy_answer, rec["answer"], dom))}
         if k:
             row[f"avg@{k}"] = sum(is_correct(a, rec["answer"], dom) for a in answers[i]) / k
-            majority, _ = weighted_vote(answers[i], [0] * k, omega=1.0, **dom.classes)
+            majority = weighted_vote(answers[i], [0] * k, omega=1.0, **dom.classes).label
             row[f"maj@{k}"] = float(is_correct(majority, rec["answer"], dom))
             if verdicts:
-                label, _ = weighted_vote(answers[i], [r.v for r in verdicts[i]], omega=cfg.omega, **dom.classes)
+                label = weighted_vote(answers[i], [r.v for r in verdicts[i]], omega=cfg.omega, **dom.classes).label
                 row[f"verified_maj@{k}"] = float(is_correct(label, rec["answer"], dom))
         rows.append(row)
     rows = gather_object(rows)
@@ -909,7 +910,7 @@ def log_rollouts(step, shard, groups, answers, verdicts, votes, learner: Learner
 def question_monitors(rec, group, answers, verdicts, vote: Vote, cfg: Config) -> dict:
     """How one question's vote went, against the gold answer: monitors only, never rewards."""
     dom = domain_of(cfg.bench)
-    stats = group_metrics(answers, vote.v, vote.label, cfg.omega, gold=rec["answer"], **dom.classes)
+    stats = group_metrics(vote.classes, vote.v, gold=rec["answer"], **dom.classes)
     # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke it
     stats["majority_label_accuracy"] = stats["label_accuracy"] - stats["flip_fixed"] + stats["flip_broke"]
     correct = [is_correct(a, rec["answer"], dom) for a in answers]
@@ -1042,8 +1043,8 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
         totals = {"label_accuracy": 0.0, "reward_accuracy": 0.0, "flipped": 0.0, "flip_fixed": 0.0, "flip_broke": 0.0}
         for (_, qid), rows in groups.items():
             answers, v = [r["answer"] for r in rows], [r["v"] for r in rows]
-            label, _ = weighted_vote(answers, v, omega=omega, **domain_of(cfg["bench"]).classes)
-            stats = group_metrics(answers, v, label, omega, gold=gold[qid], **domain_of(cfg["bench"]).classes)
+            vote = weighted_vote(answers, v, omega=omega, **domain_of(cfg["bench"]).classes)
+            stats = group_metrics(vote, v, gold=gold[qid], **domain_of(cfg["bench"]).classes)
             for key in totals:
                 totals[key] += stats[key]
         n = max(len(groups), 1)

@@ -5,6 +5,7 @@ import dataclasses
 import doctest
 import hashlib
 import http.server
+import itertools
 import json
 import math
 import os
@@ -55,7 +56,7 @@ from verifier import (
     verifier_prompt,
     verify_batch,
 )
-from voting import group_metrics, rewards, weighted_vote
+from voting import answer_classes, group_metrics, weighted_vote
 
 # =================================================================================================================
 # foundation: model loading and benchmarks
@@ -317,73 +318,103 @@ def test_voting_imports_only_the_standard_library():
     assert imports and imports <= set(sys.stdlib_module_names)
 
 
+def vote_of(answers, verified, omega, **classes):
+    vote = weighted_vote(answers, verified, omega, **classes)
+    return vote.label, vote.scores
+
+
 def test_paper_example_flips_with_omega_5_and_not_with_omega_1():
     answers, verified = ["1260"] * 11 + ["1320"] * 5, [0] * 11 + [1] * 5
-    assert weighted_vote(answers, verified, 5.0) == ("1320", {"1320": 25.0, "1260": 11.0})
-    assert weighted_vote(answers, verified, 1.0) == ("1260", {"1260": 11.0, "1320": 5.0})
+    assert vote_of(answers, verified, 5.0) == ("1320", {"1320": 25.0, "1260": 11.0})
+    assert vote_of(answers, verified, 1.0) == ("1260", {"1260": 11.0, "1320": 5.0})
 
 
 def test_hard_filter_counts_only_verified_answers():
     answers, verified = ["7"] * 10 + ["8", "9", "9"], [0] * 10 + [1, 0, 0]
-    assert weighted_vote(answers, verified, INF) == ("8", {"8": 1.0, "7": 0.0, "9": 0.0})
+    assert vote_of(answers, verified, INF) == ("8", {"8": 1.0, "7": 0.0, "9": 0.0})
 
 
 def test_hard_filter_without_verified_answers_is_plain_majority():
-    assert weighted_vote(["7", "8", "8"], [0, 0, 0], INF) == ("8", {"8": 2.0, "7": 1.0})
+    assert vote_of(["7", "8", "8"], [0, 0, 0], INF) == ("8", {"8": 2.0, "7": 1.0})
 
 
 def test_tie_on_score_goes_to_more_rollouts():
     # "a": one verified rollout (5); "b": five unverified rollouts (5)
-    label, scores = weighted_vote(["a", "b", "b", "b", "b", "b"], [1, 0, 0, 0, 0, 0], 5.0)
+    label, scores = vote_of(["a", "b", "b", "b", "b", "b"], [1, 0, 0, 0, 0, 0], 5.0)
     assert label == "b" and scores == {"b": 5.0, "a": 5.0}
 
 
 def test_full_tie_goes_to_first_appearance():
-    assert weighted_vote(["x", "y", "y", "x"], [0, 0, 0, 0], 1.0)[0] == "x"
-    assert weighted_vote(["y", "x", "y", "x"], [0, 0, 0, 0], 1.0)[0] == "y"
+    assert weighted_vote(["x", "y", "y", "x"], [0, 0, 0, 0], 1.0).label == "x"
+    assert weighted_vote(["y", "x", "y", "x"], [0, 0, 0, 0], 1.0).label == "y"
 
 
 def test_hard_filter_tie_goes_to_first_appearance():
-    assert weighted_vote(["p", "q", "q"], [0, 1, 1], INF)[0] == "q"
-    assert weighted_vote(["p", "q", "r"], [1, 0, 1], INF)[0] == "p"
+    assert weighted_vote(["p", "q", "q"], [0, 1, 1], INF).label == "q"
+    assert weighted_vote(["p", "q", "r"], [1, 0, 1], INF).label == "p"
 
 
 def test_none_never_wins_against_an_answer():
-    label, scores = weighted_vote([None, None, None, "4"], [1, 1, 1, 0], 5.0)
-    assert label == "4" and scores == {"4": 1.0}
+    vote = weighted_vote([None, None, None, "4"], [1, 1, 1, 0], 5.0)
+    assert (vote.label, vote.scores, vote.assignment, vote.rewards()) == ("4", {"4": 1.0}, [None, None, None, 0],
+                                                                          [0.0, 0.0, 0.0, 1.0])
 
 
 def test_all_none_gives_no_label():
     for omega in (1.0, 5.0, INF):
-        assert weighted_vote([None, None], [0, 1], omega) == (None, {})
+        vote = weighted_vote([None, None], [0, 1], omega)
+        assert (vote.label, vote.scores, vote.rewards()) == (None, {}, [0.0, 0.0])
 
 
 def test_single_class_group():
-    assert weighted_vote(["3", "3", "3"], [1, 0, 1], 5.0) == ("3", {"3": 11.0})
+    assert vote_of(["3", "3", "3"], [1, 0, 1], 5.0) == ("3", {"3": 11.0})
 
 
 def test_whitespace_variants_vote_together_by_default():
-    assert weighted_vote(["1 + i", "1+i", "2"], [0, 0, 0], 1.0) == ("1 + i", {"1 + i": 2.0, "2": 1.0})
+    assert vote_of(["1 + i", "1+i", "2"], [0, 0, 0], 1.0) == ("1 + i", {"1 + i": 2.0, "2": 1.0})
 
 
 def test_class_is_represented_by_its_most_frequent_spelling():
     answers = ["\\frac12", "0.5", "0.5", "1/2", "3", "3"]
-    label, scores = weighted_vote(answers, [0] * 6, 1.0, key=answer_key)
-    assert label == "0.5" and scores == {"0.5": 4.0, "3": 2.0}
+    assert vote_of(answers, [0] * 6, 1.0, key=answer_key) == ("0.5", {"0.5": 4.0, "3": 2.0})
 
 
 def test_same_merges_spellings_the_key_misses():
     answers = ["\\sqrt{2}/2", "\\frac{1}{\\sqrt2}", "1", "1"]
-    assert weighted_vote(answers, [0] * 4, 1.0, key=answer_key)[1] == {"1": 2.0, "\\sqrt{2}/2": 1.0,
-                                                                         "\\frac{1}{\\sqrt2}": 1.0}
-    label, scores = weighted_vote(answers, [0] * 4, 1.0, key=answer_key, same=same_answer)
-    assert label == "\\sqrt{2}/2" and scores == {"\\sqrt{2}/2": 2.0, "1": 2.0}
+    assert vote_of(answers, [0] * 4, 1.0, key=answer_key)[1] == {"1": 2.0, "\\sqrt{2}/2": 1.0, "\\frac{1}{\\sqrt2}": 1.0}
+    assert vote_of(answers, [0] * 4, 1.0, key=answer_key, same=same_answer) == ("\\sqrt{2}/2", {"\\sqrt{2}/2": 2.0, "1": 2.0})
 
 
 def test_equivalent_spellings_collapse_into_one_class():
     answers = ["1,000", "1000", "1000.0", "10^3", "999", "\\boxed{1000}"]
-    label, scores = weighted_vote(answers, [0, 0, 0, 0, 1, 0], 2.0, key=answer_key, same=same_answer)
+    label, scores = vote_of(answers, [0, 0, 0, 0, 1, 0], 2.0, key=answer_key, same=same_answer)
     assert label == "1,000" and scores["1,000"] == 5.0 and scores["999"] == 2.0
+
+
+def test_same_answers_in_any_order_elect_the_same_class_and_reward_only_it():
+    # 9% is 9 percent, not 0.09: the winner is 0.09 whichever rollout comes first, and the 9 / 9% rollouts lose
+    answers = ["9", "9\\%", "0.09", "0.09", "0.09"]
+    for order in itertools.permutations(range(len(answers))):
+        shuffled = [answers[i] for i in order]
+        vote = weighted_vote(shuffled, [0] * len(shuffled), 5.0, key=answer_key, same=same_answer)
+        assert vote.label == "0.09" and list(vote.scores.values()) == [3.0, 2.0]
+        assert vote.rewards() == [1.0 if a == "0.09" else 0.0 for a in shuffled]
+
+
+def test_classes_are_connected_components_whatever_the_order():
+    # a `same` that is not transitive (neighbours): classes must still not depend on the rollouts' order
+    def neighbours(a, b):
+        return abs(int(a) - int(b)) == 1
+    for answers in itertools.permutations(["1", "2", "3", "7"]):
+        classes = answer_classes(list(answers), same=neighbours)
+        assert sorted(sorted(answers[i] for i in c) for c in classes) == [["1", "2", "3"], ["7"]]
+
+
+def test_assignment_matches_classes_and_rewards():
+    answers = ["5", "6", None, "5", "6", "6"]
+    vote = weighted_vote(answers, [1, 0, 0, 1, 0, 0], 5.0)
+    assert [c.members for c in vote.classes] == [[0, 3], [1, 4, 5]]
+    assert vote.assignment == [0, 1, None, 0, 1, 1] and vote.rewards() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
 
 
 def test_bad_group_is_refused():
@@ -395,17 +426,15 @@ def test_bad_group_is_refused():
         weighted_vote(["1"], [0.5], 5.0)
 
 
-def test_rewards_match_label_and_give_none_zero():
-    assert rewards(["5", "5.0", None, "6", " 5 "], "5") == [1.0, 0.0, 0.0, 0.0, 1.0]
-    assert rewards(["5", "5.0", None, "6"], "5", key=answer_key) == [1.0, 1.0, 0.0, 0.0]
-    assert rewards(["5", None], None) == [0.0, 0.0]
+def test_rewards_follow_the_class_assignment():
+    assert weighted_vote(["5", "5.0", None, "6", " 5 ", "5"], [0] * 6, 1.0).rewards() == [1.0, 0.0, 0.0, 0.0, 1.0, 1.0]
+    assert weighted_vote(["5", "5.0", None, "6"], [0] * 4, 1.0, key=answer_key).rewards() == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_metrics_of_a_flip_that_fixes_the_label():
     answers = ["1260"] * 11 + ["1320"] * 4 + [None]
     verified = [0] * 11 + [1] * 4 + [0]
-    label, _ = weighted_vote(answers, verified, 5.0)
-    m = group_metrics(answers, verified, label, 5.0, gold="1320")
+    m = group_metrics(weighted_vote(answers, verified, 5.0), verified, gold="1320")
     assert m == {"majority_ratio": 11 / 16, "verified_ratio": 4 / 16, "flipped": 1.0,
                  "label_accuracy": 1.0, "reward_accuracy": 1.0, "ground_truth_ratio": 4 / 16,
                  "pass@N": 1.0, "flip_fixed": 1.0, "flip_broke": 0.0}
@@ -413,24 +442,30 @@ def test_metrics_of_a_flip_that_fixes_the_label():
 
 def test_metrics_of_a_flip_that_breaks_the_label():
     answers, verified = ["7", "7", "7", "9"], [0, 0, 0, 1]
-    label, _ = weighted_vote(answers, verified, 5.0)
-    m = group_metrics(answers, verified, label, 5.0, gold="7")
+    vote = weighted_vote(answers, verified, 5.0)
+    m = group_metrics(vote, verified, gold="7")
     # pseudo rewards 0,0,0,1 against true 1,1,1,0: none agree
-    assert (label, m["flipped"], m["flip_fixed"], m["flip_broke"]) == ("9", 1.0, 0.0, 1.0)
+    assert (vote.label, m["flipped"], m["flip_fixed"], m["flip_broke"]) == ("9", 1.0, 0.0, 1.0)
     assert (m["label_accuracy"], m["reward_accuracy"], m["ground_truth_ratio"], m["pass@N"]) == (0.0, 0.0, 0.75, 1.0)
 
 
 def test_metrics_without_flip_or_gold():
     answers, verified = ["2", "3", "3", "4"], [0, 1, 0, 0]
-    label, _ = weighted_vote(answers, verified, 1.0)
-    assert group_metrics(answers, verified, label, 1.0) == {"majority_ratio": 0.5, "verified_ratio": 0.25,
-                                                            "flipped": 0.0}
+    assert group_metrics(weighted_vote(answers, verified, 1.0), verified) == {"majority_ratio": 0.5,
+                                                                               "verified_ratio": 0.25, "flipped": 0.0}
 
 
 def test_metrics_when_nobody_finds_gold():
     answers, verified = ["2", "2", "3", None], [0, 0, 0, 0]
-    m = group_metrics(answers, verified, "2", 5.0, gold="4")
+    m = group_metrics(weighted_vote(answers, verified, 5.0), verified, gold="4")
     assert (m["label_accuracy"], m["reward_accuracy"], m["ground_truth_ratio"], m["pass@N"]) == (0.0, 0.5, 0.0, 0.0)
+
+
+def test_metrics_find_gold_in_a_class_through_same():
+    answers, verified = ["0.5", "0.5", "3"], [0, 0, 1]
+    vote = weighted_vote(answers, verified, 5.0, key=answer_key, same=same_answer)
+    m = group_metrics(vote, verified, gold="\\frac{1}{2}", key=answer_key, same=same_answer)
+    assert (vote.label, m["flipped"], m["flip_broke"], m["ground_truth_ratio"]) == ("3", 1.0, 1.0, 2 / 3)
 
 
 # ---------------------------------------------------------------- extract_answer
@@ -1580,7 +1615,7 @@ def test_budget_verifies_only_k_per_answer_class(verify_pool):
 
 def test_budget_shares_the_majority_outcome_of_the_class(verify_pool):
     answers = ["55"] * 5
-    verifier = ScriptedVerifier(block("print(55 + 0 * len('x'))"), block("print(54 + len('x'))"),
+    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"), block("print(54 + len('x'))"),
                                 block("print(1 / 0)"))
     results = verify_batch([PROBLEM] * 5, [ROLLOUT] * 5, answers, verifier, sandbox=verify_pool, budget=3)
     assert [r.v for r in results] == [1, 1, 0, 1, 1]
@@ -1615,36 +1650,48 @@ def test_unclosed_block_runs_to_the_end():
     assert extract_code("```python\nx = 2\nprint(x * 3)").strip() == "x = 2\nprint(x * 3)"
 
 
-@pytest.mark.parametrize("code", [
-    "print(42)",
-    "print('42')",
-    "print(-7)",
-    "x = 42\nprint(x)",
-    "ans = 1320\nprint(ans)",
-    "a = 3\nb = a\nprint(b)",
-    "p, q = 1, 2\nprint(p, q)",
-    "print(f'The answer is {42}')",
-    "x = 5\nprint(f'{x}')",
-    "import sympy\nn = sympy.Symbol('n')\nprint(sympy.solve(n - 1, n))\nresult = 7\nprint(result)",
-    "def solve():\n    # the cube is 28\n    return 28\nprint(solve())",
-])
-def test_literal_output_is_hardcoded(code):
-    assert hardcoded(code)
+GUARD_PROBLEM = "A club of 12 members picks 3 officers; each of the 11 committees meets 120 times. Find the count."
+HARDCODED = [  # the candidate 1320 copied into the program and printed, in the ways small verifiers do it
+    "print(1320)", "print('1320')", "print(f'{1320}')", "print(f'The answer is {1320}')", "print(-(-1320))",
+    "print(int(1320))", "from fractions import Fraction\nprint(Fraction(1320))", "import sympy\nprint(sympy.Integer(1320))",
+    "print(1320 * 1)", "print(1320.0)", "x = [1320]\nprint(x[0])", "ans = 1320\nprint(ans)", "a = 1320\nb = a\nprint(b)",
+    "p, q = 5, 1320\nprint(q)", "def solve():\n    # the trace says 1320\n    return 1320\nprint(solve())",
+    "r = 0\nr += 1320\nprint(r)", "d = {'n': 1320}\nprint(d['n'])", "print(str(1320))", "import sympy\nprint(sympy.Rational(1320, 1))",
+    "import math\nx = math.comb(12, 3)\nprint(x)\nresult = 1320\nprint(result)", "for v in [1320]:\n    pass\nprint(v)",
+    "print(max(1320, 0))",
+]
+COMPUTED = [  # honest recomputations from the problem's numbers (and checks that do not feed the print)
+    "import math\nprint(math.comb(12, 3))", "print(11 * 120)", "a, b = 11, 120\nprint(a * b)",
+    "x = 1320\nprint(11 * 120)", "r = 11 * 120\nassert r == 1320\nprint(r)", "r = 11 * 120\nif r == 1320:\n    print(r)",
+    "import math\nprint(math.perm(12, 3) // 1)", "x = 1\nfor i in range(5):\n    x = x * 2\nprint(x)",
+    "n = 0\nn += 3\nprint(n)", "def f(k):\n    return k * 120\nprint(f(11))", "print(sum(120 for _ in range(11)))",
+    "import sympy\nx = sympy.Symbol('x')\nprint(sympy.solve(x - 11 * 120, x)[0])", "p, q = 5, 1320\nprint(p * 264)",
+    "print(2 * 660)", "from fractions import Fraction\nprint(Fraction(10 * 11, 2 * 1))", "print(", "",
+]
 
 
-@pytest.mark.parametrize("code", [
-    "a, b = 6, 7\nprint(a * b)",
-    "import sympy\nx = sympy.Symbol('x')\nx = sympy.solve(x**2 - 4, x)\nprint(x)",
-    "x = sum(range(10))\nprint(f'{x}')",
-    "print(11 * 120)",
-    "import math\nprint(math.comb(12, 3))",
-    "x = 1\nfor i in range(5):\n    x = x * 2\nprint(x)",
-    "n = 0\nn += 3\nprint(n)",
-    "def f(k):\n    return k * k\nprint(f(9))",
-    "print(",
-])
-def test_computed_output_is_not_hardcoded(code):
-    assert not hardcoded(code)
+@pytest.mark.parametrize("code", HARDCODED)
+def test_copied_candidate_is_hardcoded(code):
+    assert hardcoded(code, GUARD_PROBLEM, "1320")
+
+
+@pytest.mark.parametrize("code", COMPUTED)
+def test_recomputation_is_not_hardcoded(code):
+    assert not hardcoded(code, GUARD_PROBLEM, "1320")
+
+
+def test_a_small_answer_used_as_a_constant_is_no_copy():
+    problem = "Sam has four socks and pairs them. How many pairs?"
+    assert not hardcoded("s = 'abcd'\nprint(len(s) // 2)", problem, "2")
+    assert not hardcoded("pairs = [('a', 'b'), ('c', 'd')]\nprint(len(pairs[1]))", problem, "2")
+    assert hardcoded("print(2 + 0)", problem, "2")
+
+
+def test_a_value_the_problem_supplies_or_another_answer_is_no_copy():
+    assert not hardcoded("print(1320)", "What is 1320 divided by 1?", "1320")
+    assert not hardcoded("print(1320)", GUARD_PROBLEM, "1321")
+    assert hardcoded("from fractions import Fraction\nprint(Fraction(3, 4))", "Find the ratio p/q.", "\\frac34")
+    assert not hardcoded("from fractions import Fraction\nprint(Fraction(3, 4))", "3 of every 4 cats ...", "\\frac34")
 
 
 # -------------------------------------------------------------------------------------------- model verifier

@@ -17,12 +17,13 @@ gets one status:
     verified    v_i = 1                          no_answer   a_i is None: no verifier call spent
     mismatch    ran, printed something else      no_code     the completion holds no code block
     exec_error  raised, or hit a memory/output   timeout     ran past the sandbox's time limit
-                limit, or was killed             hardcoded   the last print shows only literals
+                limit, or was killed             hardcoded   the printed value is the candidate copied in
 
 "hardcoded" is the weak-verifier failure the paper shows (Figure 11): a program that copies the
-trace's answer into print(1320) verifies anything. It is decided on the AST: the last print(...) in
-the source shows only numbers, strings, f-strings of those, names assigned only such literals, or
-calls of the program's own functions that return only such literals.
+trace's answer into print(1320) verifies anything. hardcoded(code, problem, answer) decides it on the AST
+with a small taint analysis: a literal worth the candidate answer that the problem text does not supply
+(1320, '1320', Fraction(3, 4)) flows into the last print(...), through int(), Fraction(), sympy.Integer(),
+arithmetic, indexing, variables or the program's own functions.
 
 verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=python_tool, budget=0) runs a
 whole training step at once: one call of `verifier` (any callable, list of user messages -> list of
@@ -126,68 +127,128 @@ def extract_code(text):
     return _first_block(text, (_FENCE_PYTHON, _FENCE_ANY))
 
 
-# The hard-coding guard. Small verifiers copy the trace's final answer into print(...) (the paper's
-# Figure 11); such a program "verifies" anything. It is refused when the last print shows only literals:
-# numbers, strings (f-strings included), tuples/lists of them, names bound only to literals, or calls of
-# the program's own functions that return only literals. Arithmetic on literals (print(11 * 120): the
-# trace's claimed computation, redone) and other calls (print(math.comb(12, 3))) count as computing.
+# The hard-coding guard. Small verifiers copy the trace's final answer into the program (the paper's
+# Figure 11); such a program "verifies" anything. The failure is a data flow: the candidate's value enters
+# the program as a literal that the problem does not supply, and reaches the printed result. So the guard
+# is a small taint analysis on the AST. Sources: a literal equal to the candidate answer (1320, 1320.0,
+# '1320', f'{1320}') or spelling it as a fraction (Fraction(3, 4) for 3/4), that the problem text does not
+# contain. The taint follows data: calls (int(), Fraction(), sympy.Integer(), ...), subscripts, names
+# through every assignment to them (tuple unpacking position by position, loops, augmented assignment,
+# walrus), and the program's own functions through their returns. Arithmetic carries it only where it
+# keeps the value (1320 * 1, 1320 + 0; not len(s) // 2 for the answer 2), and control flow does not carry
+# it (`if x == 1320: print(x)` is a check, not a copy). A Python program whose printed result matches the
+# candidate is refused when its last print(...) shows a tainted value. Recomputations from the problem's
+# numbers stay clean: print(11 * 120) when the problem gives 11 and 120, print(math.comb(12, 3)).
 
-def _literal_bindings(tree):
-    """name -> the values assigned to it, with None for a binding that is no plain assignment
-    (loop targets, augmented assignment, with/as, walrus, unpacking of something computed, ...)."""
-    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
-    bindings = {}
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-            bindings.setdefault(node.id, []).append(_assigned_value(node, parents))
-    return bindings
-
-
-def _assigned_value(target, parents):
-    parent = parents[target]
-    if isinstance(parent, (ast.Assign, ast.AnnAssign)) and target is not parent.value:
-        return parent.value
-    if isinstance(parent, (ast.Tuple, ast.List)) and isinstance(parents[parent], ast.Assign):
-        value = parents[parent].value
-        if isinstance(value, (ast.Tuple, ast.List)) and len(value.elts) == len(parent.elts):
-            return value.elts[parent.elts.index(target)]
-    return None
+_PROBLEM_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+_EXACT_CALLS = {"Fraction", "Rational"}
 
 
-def _is_literal(node, bindings, returns, seen=frozenset()):
-    if isinstance(node, ast.Constant):
-        return True
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
-        return _is_literal(node.operand, bindings, returns, seen)
-    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
-        return all(_is_literal(e, bindings, returns, seen) for e in node.elts)
-    if isinstance(node, ast.JoinedStr):
-        parts = [v.value if isinstance(v, ast.FormattedValue) else v for v in node.values]
-        return all(_is_literal(part, bindings, returns, seen) for part in parts)
-    if isinstance(node, ast.Name) and node.id not in seen and bindings.get(node.id):
-        return all(v is not None and _is_literal(v, bindings, returns, seen | {node.id}) for v in bindings[node.id])
-    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in returns:
-        name = node.func.id
-        return name not in seen and bool(returns[name]) and all(
-            v is not None and _is_literal(v, bindings, returns, seen | {name}) for v in returns[name])
-    return False
+def _value(text):
+    """The exact value of a plain number answer or literal, else None."""
+    try:
+        return Fraction(answer_key(str(text)))
+    except (ValueError, ZeroDivisionError, TypeError):
+        return None
 
 
-def hardcoded(code):
-    """True when the last print(...) of the program (in source order) shows only literals."""
+class _Taint:
+    """Does an expression of the program carry the candidate answer, copied from outside the problem?"""
+
+    def __init__(self, tree, problem, answer):
+        self.numbers = {Fraction(n) for n in _PROBLEM_NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", problem))}
+        self.answer_key, self.answer_value = answer_key(answer), _value(answer)
+        self.bindings, self.returns = {}, {}
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                self.returns[node.name] = [r.value for r in ast.walk(node) if isinstance(r, ast.Return) and r.value]
+            for target, value in _assignments(node):
+                self.bindings.setdefault(target, []).append(value)
+
+    def _is_answer(self, constant):
+        if isinstance(constant.value, str):
+            return answer_key(constant.value) == self.answer_key
+        if isinstance(constant.value, (int, float)) and not isinstance(constant.value, bool):
+            return self.answer_value is not None and abs(Fraction(constant.value) - self.answer_value) <= \
+                abs(self.answer_value) * Fraction(1, 10 ** 9)
+        return False
+
+    def _is_answer_fraction(self, node):
+        """Fraction(3, 4) / sympy.Rational(3, 4) spelling the answer 3/4 with numbers the problem lacks."""
+        if not (isinstance(node, ast.Call) and len(node.args) == 2 and self.answer_value is not None and
+                getattr(node.func, "id", getattr(node.func, "attr", None)) in _EXACT_CALLS):
+            return False
+        parts = [a.value for a in node.args if isinstance(a, ast.Constant) and type(a.value) is int]
+        return parts == [self.answer_value.numerator, self.answer_value.denominator] and \
+            not {Fraction(p) for p in parts} <= self.numbers
+
+    def carries(self, node, seen=frozenset()):
+        if isinstance(node, ast.Constant):
+            return self._is_answer(node) and _value(node.value) not in self.numbers
+        if self._is_answer_fraction(node):
+            return True
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in seen:
+            return any(self.carries(v, seen | {node.id}) for v in self.bindings.get(node.id, []))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.returns \
+                and node.func.id not in seen:
+            if any(self.carries(v, seen | {node.func.id}) for v in self.returns[node.func.id]):
+                return True
+        if isinstance(node, ast.BinOp):  # 1320 * 1 and 1320 + 0 keep the value; len(s) // 2 makes a new one
+            return (self.carries(node.left, seen) and _identity(node.op, node.right)) or \
+                (self.carries(node.right, seen) and _identity(node.op, node.left, right_side=False))
+        if isinstance(node, (ast.Subscript, ast.Attribute)):  # x[0] is x's value, not the index's
+            return self.carries(node.value, seen)
+        return any(self.carries(child, seen) for child in ast.iter_child_nodes(node)
+                   if not isinstance(child, (ast.expr_context, ast.FunctionDef, ast.Lambda)))
+
+
+def _identity(op, other, right_side=True):
+    """Is `other` the literal that leaves the tainted operand's value unchanged under `op` (x * 1, x + 0, ...)?"""
+    if not (isinstance(other, ast.Constant) and type(other.value) in (int, float)):
+        return False
+    if isinstance(op, ast.Mult) or (right_side and isinstance(op, (ast.Div, ast.FloorDiv, ast.Pow))):
+        return other.value == 1
+    return (isinstance(op, ast.Add) or (right_side and isinstance(op, ast.Sub))) and other.value == 0
+
+
+def _assignments(node):
+    """(name, value expression) for each name `node` binds; unpacking a literal tuple goes position by position."""
+    if isinstance(node, ast.Assign):
+        pairs = [(t, node.value) for t in node.targets]
+    elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:
+        pairs = [(node.target, node.value)]
+    elif isinstance(node, (ast.For, ast.AsyncFor, ast.comprehension)):
+        pairs = [(node.target, node.iter)]
+    elif isinstance(node, ast.withitem) and node.optional_vars is not None:
+        pairs = [(node.optional_vars, node.context_expr)]
+    else:
+        return []
+    out = []
+    while pairs:
+        target, value = pairs.pop()
+        if isinstance(target, (ast.Tuple, ast.List)) and isinstance(value, (ast.Tuple, ast.List)) \
+                and len(target.elts) == len(value.elts):
+            pairs += list(zip(target.elts, value.elts))
+        else:
+            out += [(n.id, value) for n in ast.walk(target) if isinstance(n, ast.Name)]
+    return out
+
+
+def hardcoded(code, problem, answer):
+    """True when the value printed last by the program carries the candidate `answer` copied in as a literal
+    that the `problem` text does not supply (see the comment above). A program that does not parse is not
+    hard-coded: it cannot run either, and the tool reports the error."""
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError):
-        return False  # it cannot run either; the tool reports it as an error
+        return False
     prints = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id == "print" and node.args]
-    if not prints:
+    if not prints or answer is None:
         return False
     last = max(prints, key=lambda node: (node.lineno, node.col_offset))
-    bindings = _literal_bindings(tree)
-    returns = {f.name: [r.value for r in ast.walk(f) if isinstance(r, ast.Return)]
-               for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)}
-    return all(_is_literal(arg, bindings, returns) for arg in last.args)
+    taint = _Taint(tree, problem, answer)
+    return any(taint.carries(arg) for arg in last.args)
 
 
 # The tool: a function (programs, sandbox) -> one ToolRun per program. Another tool (an SMT solver for
@@ -196,7 +257,7 @@ def hardcoded(code):
 @dataclass
 class ToolRun:
     """What the tool made of one program."""
-    status: str          # "ok", "error", "timeout", or "hardcoded" (refused without being trusted)
+    status: str          # "ok", "error", "timeout", or "hardcoded" (a tool that decides it itself: smt_tool)
     result: str | None   # the tool's answer t_i: the last non-empty line of stdout
     output: str          # everything the program printed (stdout, then stderr), for reading
     seconds: float       # time the program ran
@@ -220,14 +281,13 @@ _LATEX_SNIPPET = "import sympy\nprint(sympy.latex(sympy.sympify({text!r})))"
 def python_tool(codes, sandbox=None):
     """Run every program in the sandbox (one run_many call; None: sandbox.default_pool()), never in this
     process, then spell the results that are Python expressions in LaTeX (a second run_many of one-line
-    sympy snippets). Hard-coded programs run too, so that what they print can be read."""
+    sympy snippets). verify_batch applies the hard-coding guard afterwards (it needs the problem and the answer)."""
     sandbox = sandbox or default_pool()
     runs = sandbox.run_many(codes) if codes else []
     tool_runs = []
     for code, run in zip(codes, runs):
         lines = [line.strip() for line in run.stdout.splitlines() if line.strip()]
-        status = ("hardcoded" if hardcoded(code) else "ok" if run.status == "ok" else
-                  "timeout" if run.status == "timeout" else "error")
+        status = "ok" if run.status == "ok" else "timeout" if run.status == "timeout" else "error"
         output = run.stdout + (("\n" if run.stdout and run.stderr else "") + run.stderr)
         tool_runs.append(ToolRun(status, lines[-1] if lines else None, output, run.duration))
     spell = [t for t in tool_runs if t.status == "ok" and t.result and _PYTHON_EXPRESSION.search(t.result)]
@@ -515,8 +575,10 @@ def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None,
         run = runs.get(i)
         if run is None:
             status = "no_code"
+        elif run.status == "ok" and kind.agrees(run.result, answers[i]):  # unless the program copied a_i in
+            status = "hardcoded" if domain == "math" and hardcoded(codes[i], problems[i], answers[i]) else "verified"
         elif run.status == "ok":
-            status = "verified" if kind.agrees(run.result, answers[i]) else "mismatch"
+            status = "mismatch"
         else:
             status = {"error": "exec_error", "timeout": "timeout", "hardcoded": "hardcoded"}[run.status]
         results[i] = Verification(int(status == "verified"), status, run and run.result, codes[i], str(text),

@@ -5,72 +5,128 @@ a_1..a_N; the group votes on a pseudo-label and each rollout is rewarded for agr
 T3RL adds a tool verifier that marks each rollout v_i in {0, 1}, and lets verified rollouts vote louder:
 
     w_i  = (1 - v_i) * 1 + v_i * omega                       (omega >= 1)
-    y*   = argmax_a  sum_i w_i * 1[a_i ~ a]                  (the pseudo-label)
-    r_i  = 1[a_i ~ y*]                                       (the binary reward)
+    y*   = argmax_c  sum_i w_i * 1[class(a_i) = c]           (the winning answer class: the pseudo-label)
+    r_i  = 1[class(a_i) = y*]                                (the binary reward)
 
-where a ~ b means "the same answer". omega = 1 is plain majority voting (TTRL); omega = inf is hard
-filtering: only verified answers count, and with none verified the vote falls back to plain majority.
+omega = 1 is plain majority voting (TTRL); omega = inf is hard filtering: only verified answers count, and
+with none verified the vote falls back to plain majority.
 
-Answer classes. Two answers vote together when key(a) == key(b) (default key: the answer with all
-whitespace removed) or when same(a, b) holds; `key` buckets the rollouts cheaply, `same` (optional,
-may be slow, e.g. a symbolic equivalence check) then merges buckets. A class is represented by its
-most frequent spelling (ties: the one seen first). A missing answer (None) belongs to no class, so it
-never wins unless every answer is missing, in which case the label is None.
+Answer classes. Rollouts are first bucketed by key(a) (default: the answer with all whitespace removed);
+then two buckets join when same(a, b) holds for their spellings. `same` must be an equivalence relation
+(symmetric, and transitive: a ~ b and b ~ c imply a ~ c), i.e. "the same answer". The classes are the
+connected components of `same` over all buckets, so they never depend on the order of the rollouts; but a
+`same` that is not transitive chains unrelated answers into one class (9 ~ 9% and 9% ~ 0.09 would put
+9 and 0.09 together). A class is represented by its most frequent spelling (ties: the one seen first). A
+missing answer (None) belongs to no class, so it never wins unless every answer is missing; then the
+label is None.
 
-Ties are broken deterministically: higher weighted score, then more rollouts, then the class whose
-first rollout comes earliest in `answers`.
+Rewards, flips and monitoring numbers all come from the one class assignment the vote made, so a rollout
+is rewarded exactly when its class won. Ties are broken deterministically: higher weighted score, then
+more rollouts, then the class whose first rollout comes earliest in `answers`.
 
 The paper's worked example: 11 unverified rollouts say 1260, 5 verified rollouts say 1320.
 
 >>> answers = ["1260"] * 11 + ["1320"] * 5
 >>> verified = [0] * 11 + [1] * 5
->>> weighted_vote(answers, verified, omega=5.0)
+>>> vote = weighted_vote(answers, verified, omega=5.0)
+>>> vote.label, vote.scores
 ('1320', {'1320': 25.0, '1260': 11.0})
->>> weighted_vote(answers, verified, omega=1.0)[0]
-'1260'
->>> rewards(answers, "1320")[-6:]
+>>> vote.assignment[-6:]                    # each rollout's class, best class first (0 won)
+[1, 0, 0, 0, 0, 0]
+>>> vote.rewards()[-6:]
 [0.0, 1.0, 1.0, 1.0, 1.0, 1.0]
+>>> weighted_vote(answers, verified, omega=1.0).label
+'1260'
+>>> group_metrics(vote, verified, gold="1320")["flip_fixed"]
+1.0
+>>> answer_classes(["2", "3", " 2", None])  # rollout indices per class, in order of first appearance
+[[0, 2], [1]]
 
 Standard library only, so this file can be copied into another project as is.
 """
 
 import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+Answer = Optional[str]
+Same = Optional[Callable[[str, str], bool]]
+Key = Optional[Callable[[str], str]]
 
 
-def _default_key(answer):
+@dataclass(frozen=True)
+class VoteClass:
+    """One answer class of a vote."""
+    answer: str          # its representative: the most frequent spelling among its rollouts
+    members: list[int]   # indices of its rollouts in `answers`, ascending
+    score: float         # sum of its rollouts' vote weights
+
+
+@dataclass(frozen=True)
+class Vote:
+    """The outcome of weighted_vote: the classes best first, and which class each rollout is in."""
+    answers: list[Answer]
+    classes: list[VoteClass]        # best first: classes[0] won (empty when every answer is None)
+    assignment: list[Optional[int]] # rollout i is in classes[assignment[i]]; None: it gave no answer
+    omega: float
+
+    @property
+    def label(self) -> Answer:
+        """The pseudo-label: the winning class's representative, or None when every answer is None."""
+        return self.classes[0].answer if self.classes else None
+
+    @property
+    def scores(self) -> dict[str, float]:
+        """{representative: weighted score}, best first."""
+        return {c.answer: c.score for c in self.classes}
+
+    def rewards(self) -> list[float]:
+        """r_i = 1 when rollout i's class won the vote, else 0 (and 0 for a missing answer)."""
+        return [1.0 if k == 0 else 0.0 for k in self.assignment]
+
+
+def _default_key(answer: str) -> str:
     return "".join(answer.split())
 
 
-def answer_classes(answers, same=None, key=None):
-    """Group answer indices into vote classes: buckets by key, buckets merged by `same`.
+def answer_classes(answers: Sequence[Answer], same: Same = None, key: Key = None) -> list[list[int]]:
+    """Group answer indices into vote classes: buckets by key, joined where `same` holds between buckets
+    (connected components, so the grouping does not depend on the order of `answers`).
 
-    Returns a list of index lists, in order of each class's first appearance.
-    """
+    Returns a list of ascending index lists, in order of each class's first appearance."""
     key = key or _default_key
-    buckets = {}
+    buckets: dict[str, list[int]] = {}
     for i, a in enumerate(answers):
         if a is not None:
             buckets.setdefault(key(a), []).append(i)
-    classes = []  # each: (spelling that founded it, [indices])
-    for members in buckets.values():
-        spelling = answers[members[0]]
-        for founder, indices in classes:
-            if same is not None and same(spelling, founder):
-                indices.extend(members)
-                break
-        else:
-            classes.append((spelling, list(members)))
-    return [sorted(indices) for _, indices in classes]
+    groups = list(buckets.values())
+    parent = list(range(len(groups)))  # union-find over buckets
+
+    def root(g: int) -> int:
+        while parent[g] != g:
+            parent[g] = parent[parent[g]]
+            g = parent[g]
+        return g
+
+    if same is not None:
+        for g in range(len(groups)):
+            for h in range(g + 1, len(groups)):
+                if root(g) != root(h) and same(answers[groups[g][0]], answers[groups[h][0]]):
+                    parent[max(root(g), root(h))] = min(root(g), root(h))
+    classes: dict[int, list[int]] = {}
+    for g, members in enumerate(groups):
+        classes.setdefault(root(g), []).extend(members)
+    return [sorted(members) for members in classes.values()]
 
 
-def _representative(answers, indices):
-    counts = {}
+def _representative(answers: Sequence[Answer], indices: list[int]) -> str:
+    counts: dict[str, int] = {}
     for i in indices:
         counts[answers[i]] = counts.get(answers[i], 0) + 1
     return max(counts, key=lambda spelling: counts[spelling])  # max keeps the first of equals
 
 
-def _check_group(answers, verified, omega):
+def _check_group(answers: Sequence[Answer], verified: Sequence[int], omega: float) -> None:
     if len(answers) != len(verified):
         raise ValueError(f"answers has {len(answers)} entries but verified has {len(verified)}; pass one flag per answer")
     for v in verified:
@@ -80,76 +136,77 @@ def _check_group(answers, verified, omega):
         raise ValueError(f"omega must be >= 1 (1 = plain majority, float('inf') = hard filter), got {omega!r}")
 
 
-def weighted_vote(answers, verified, omega=5.0, same=None, key=None):
-    """Vote on a pseudo-label. Returns (label, scores).
+def _ranked(classes: list[list[int]], weight: Callable[[int], float]) -> list[list[int]]:
+    """Classes best first: higher weighted score, then more rollouts, then earlier first rollout."""
+    return sorted(classes, key=lambda members: (-sum(weight(i) for i in members), -len(members), members[0]))
 
-    answers: list of answer strings or None; verified: list of 0/1 (or bools), one per answer.
-    label: the winning class's representative spelling, or None when every answer is None.
-    scores: {representative: weighted score}, best first (the tie rule decides the order).
-    With omega = inf a score is the number of verified rollouts in the class (plain counts when no
-    answer is verified).
-    """
+
+def weighted_vote(answers: Sequence[Answer], verified: Sequence[int], omega: float = 5.0,
+                  same: Same = None, key: Key = None) -> Vote:
+    """Vote on a pseudo-label; returns a Vote (label, scores, classes best first, each rollout's class).
+
+    answers: answer strings or None; verified: 0/1 (or bools), one per answer. With omega = inf a score is
+    the number of verified rollouts in the class (plain counts when no answer is verified)."""
     _check_group(answers, verified, omega)
     classes = answer_classes(answers, same, key)
     hard_filter = math.isinf(omega) and any(verified[i] for members in classes for i in members)
 
-    def weight(i):
+    def weight(i: int) -> float:
         if hard_filter:
             return float(verified[i])
         return omega if verified[i] else 1.0
 
-    ranked = []
-    for members in classes:
-        score = sum(weight(i) for i in members)
-        ranked.append((-score, -len(members), members[0], _representative(answers, members), score))
-    ranked.sort()
-    scores = {rep: score for *_, rep, score in ranked}
-    label = ranked[0][3] if ranked else None
-    return label, scores
+    ranked = [VoteClass(_representative(answers, members), members, sum(weight(i) for i in members))
+              for members in _ranked(classes, weight)]
+    assignment: list[Optional[int]] = [None] * len(answers)
+    for k, vote_class in enumerate(ranked):
+        for i in vote_class.members:
+            assignment[i] = k
+    return Vote(list(answers), ranked, assignment, omega)
 
 
-def _same_class(a, b, same, key):
-    if a is None or b is None:
-        return False
+def _class_of(vote: Vote, answer: Answer, same: Same, key: Key) -> Optional[int]:
+    """Index of the vote class that `answer` (not a rollout, e.g. the gold answer) belongs to, or None."""
+    if answer is None:
+        return None
     key = key or _default_key
-    return key(a) == key(b) or (same is not None and same(a, b))
+    for k, vote_class in enumerate(vote.classes):
+        if any(key(vote.answers[i]) == key(answer) for i in vote_class.members):
+            return k
+        if same is not None and same(vote_class.answer, answer):
+            return k
+    return None
 
 
-def rewards(answers, label, same=None, key=None):
-    """Binary rewards r_i = 1[answer_i same as label]; a None answer (or a None label) gets 0."""
-    return [1.0 if _same_class(a, label, same, key) else 0.0 for a in answers]
+def group_metrics(vote: Vote, verified: Sequence[int], gold: Answer = None, same: Same = None,
+                  key: Key = None) -> dict[str, float]:
+    """Monitoring numbers of one rollout group (TTRL / T3RL), as a dict of floats, all from vote's classes.
 
-
-def group_metrics(answers, verified, label, omega, gold=None, same=None, key=None):
-    """Monitoring numbers of one rollout group (TTRL / T3RL), as a dict of floats.
-
-    label: the pseudo-label that weighted_vote(answers, verified, omega, ...) returned.
-    Always: majority_ratio (share of rollouts in the plain-majority class), verified_ratio,
-    flipped (1 when the label differs from the plain-majority label; never with omega = 1).
-    With gold: label_accuracy (label is gold), reward_accuracy (share of rollouts whose reward
-    agrees with the reward gold would give), ground_truth_ratio (share of rollouts that are gold),
-    pass@N (any rollout is gold), flip_fixed / flip_broke (a flip made the label right / wrong).
-    """
-    _check_group(answers, verified, omega)
-    n = len(answers)
+    Always: majority_ratio (share of rollouts in the plain-majority class), verified_ratio, flipped (1 when
+    the vote's winner is not the plain-majority class; never with omega = 1). With gold (pass the same
+    `same` and `key` as to the vote): label_accuracy (the winning class is gold's), reward_accuracy (share of
+    rollouts whose reward agrees with the reward gold would give), ground_truth_ratio (share of rollouts in
+    gold's class), pass@N (some rollout is), flip_fixed / flip_broke (a flip made the label right / wrong)."""
+    n = len(vote.assignment)
     if n == 0:
-        raise ValueError("answers is empty; group_metrics needs at least one rollout")
-    majority, plain_scores = weighted_vote(answers, verified, 1.0, same=same, key=key)
-    flipped = omega != 1 and not (label is None and majority is None) and not _same_class(label, majority, same, key)
+        raise ValueError("the vote has no rollouts; group_metrics needs at least one")
+    _check_group(vote.answers, verified, vote.omega)
+    by_count = _ranked([c.members for c in vote.classes], lambda i: 1.0)
+    majority = next((k for k, c in enumerate(vote.classes) if by_count and c.members == by_count[0]), None)
+    flipped = vote.omega != 1 and majority not in (None, 0)
     metrics = {
-        "majority_ratio": (plain_scores[majority] / n) if majority is not None else 0.0,
+        "majority_ratio": len(vote.classes[majority].members) / n if majority is not None else 0.0,
         "verified_ratio": sum(verified) / n,
         "flipped": float(flipped),
     }
     if gold is None:
         return metrics
-    label_right = _same_class(label, gold, same, key)
-    majority_right = _same_class(majority, gold, same, key)
-    pseudo = rewards(answers, label, same=same, key=key)
-    true = rewards(answers, gold, same=same, key=key)
+    gold_class = _class_of(vote, gold, same, key)
+    true = [1.0 if k is not None and k == gold_class else 0.0 for k in vote.assignment]
+    label_right, majority_right = gold_class is not None and gold_class == 0, gold_class is not None and gold_class == majority
     metrics.update({
         "label_accuracy": float(label_right),
-        "reward_accuracy": sum(p == t for p, t in zip(pseudo, true)) / n,
+        "reward_accuracy": sum(p == t for p, t in zip(vote.rewards(), true)) / n,
         "ground_truth_ratio": sum(true) / n,
         "pass@N": float(any(true)),
         "flip_fixed": float(flipped and label_right and not majority_right),
