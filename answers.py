@@ -6,8 +6,8 @@ into two vote classes and punishes a right one.
 
 Three layers, cheapest first:
 
-1. extract_answer(text): the content of the last \boxed{...} / \fbox{...}, else a trailing
-   "the answer is X".
+1. extract_answer(text): the final answer a response states (a "final answer is" sentence, the last
+   \boxed{...}, an "answer is" sentence, a short response's math span; rules in its docstring).
 2. answer_key(ans): a canonical spelling, computed with string rules only. Presentation is removed
    (\left, \dfrac, $, \text units, degree signs, thousands separators, "x =", choice letters with text),
    plain numbers become exact reduced fractions (0.5, \frac12, 0.\overline{3}, 142.0, 025), inequalities
@@ -21,7 +21,9 @@ Three layers, cheapest first:
    children. A timed-out comparison counts as "not equal". Results are cached.
 
 same_answer(a, b) is the class test for voting: weighted_vote(answers, verified, omega,
-key=answer_key, same=is_equiv) buckets by key and merges the buckets that only sympy can tell are equal.
+key=answer_key, same=same_answer) buckets by key and joins the buckets that only sympy can tell are equal.
+answer_key is canonical (a percent is its number of percent, not a pairwise "9% ~ 9 and ~ 0.09" rule), so
+"the same answer" stays an equivalence, as voting.py requires.
 
 `python answers.py --bench-equiv` measures is_equiv on the labelled set data/equiv_cases.jsonl
 against bare math-verify and plain string matching.

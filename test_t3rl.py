@@ -323,6 +323,13 @@ def vote_of(answers, verified, omega, **classes):
     return vote.label, vote.scores
 
 
+def test_voting_runs_as_a_lone_file(tmp_path):
+    shutil.copy(voting.__file__, tmp_path / "voting.py")
+    done = subprocess.run([sys.executable, "-m", "doctest", "-v", "voting.py"], cwd=tmp_path, capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert done.returncode == 0 and "passed and 0 failed" in done.stdout, done.stdout + done.stderr
+
+
 def test_paper_example_flips_with_omega_5_and_not_with_omega_1():
     answers, verified = ["1260"] * 11 + ["1320"] * 5, [0] * 11 + [1] * 5
     assert vote_of(answers, verified, 5.0) == ("1320", {"1320": 25.0, "1260": 11.0})
