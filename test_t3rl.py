@@ -2139,8 +2139,8 @@ def test_knk_equal_assignments_vote_together_and_grade_equal():
     assert knk.answer_key(other_order) == knk.answer_key(GOLD_4) and knk.same_answer(other_order, GOLD_4)
     assert knk.is_equiv(other_order, GOLD_4) and not knk.is_equiv(flip_one(GOLD_4, 2), GOLD_4)
     assert not knk.is_equiv(None, GOLD_4)
-    label, _ = weighted_vote([GOLD_4, other_order, flip_one(GOLD_4)], [0, 0, 0], omega=1.0,
-                             key=knk.answer_key, same=knk.same_answer)
+    label = weighted_vote([GOLD_4, other_order, flip_one(GOLD_4)], [0, 0, 0], omega=1.0,
+                          key=knk.answer_key, same=knk.same_answer).label
     assert knk.same_answer(label, GOLD_4)
 
 
