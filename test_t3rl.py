@@ -1585,7 +1585,7 @@ def test_missing_answer_is_no_answer_without_a_verifier_call(verify_pool):
 # -------------------------------------------------------------------------------------------- batching
 
 def test_one_verifier_call_and_one_sandbox_run_per_batch(verify_pool):
-    verifier = ScriptedVerifier(*[block(f"print({k} * 11)") for k in range(4)])
+    verifier = ScriptedVerifier(*[block(f"print(len('{'x' * k}') * 11)") for k in range(4)])
     counting = CountingPool(verify_pool)
     results = verify_batch([PROBLEM] * 4, [ROLLOUT] * 4, ["0", "11", "22", "34"], verifier, sandbox=counting)
     assert (len(verifier.batches), counting.calls) == (1, 1)
