@@ -121,7 +121,7 @@ def score(rows: list[dict], ks, omegas, classes: dict, equiv) -> dict:
     for q, row in enumerate(rows):
         for k in ks:
             for w in omegas:
-                label = weighted_vote(row["answers"][:k], row["v"][:k], omega=w, **classes)[0]
+                label = weighted_vote(row["answers"][:k], row["v"][:k], omega=w, **classes).label
                 correct[k, w][q] = float(label is not None and equiv(label, row["gold"]))
     return correct
 

@@ -791,7 +791,9 @@ def tracking(acc, cfg: Config, run_dir: Path, start: int):
     try:
         yield
     finally:
-        acc.end_training()
+        # not acc.end_training(): it also ends the process group, which belongs to the launcher
+        for tracker in acc.trackers:
+            tracker.finish()
 
 
 def tracker_row(row: dict, prefix: str = "") -> dict:
