@@ -98,7 +98,6 @@ class Judged:
     v: list[int]                         # [N] 1 = verified
     rewards: list[float]                 # [N] 1[a_i in the label's class]
     keep: list[int]                      # [M] indices of the rollouts that go into the update
-    classes: object                      # voting.Vote: the answer classes that rewards and monitors come from
 
     @property
     def label(self) -> str | None:
