@@ -18,6 +18,7 @@ Run it:
     torchrun --nproc_per_node 2 t3rl.py             # several processes on CPUs (gloo)
 """
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -96,12 +97,15 @@ class Judged:
     the M rollouts kept."""
     vote: Vote                           # voting.Vote: classes best first, every rollout's class
     v: list[int]                         # [N] 1 = verified
-    rewards: list[float]                 # [N] 1[a_i in the label's class]
     keep: list[int]                      # [M] indices of the rollouts that go into the update
 
     @property
     def label(self) -> str | None:
         return self.vote.label
+
+    @functools.cached_property
+    def rewards(self) -> list[float]:    # [N] 1[a_i in the label's class], from the vote's one class assignment
+        return self.vote.rewards()
 
 
 def rl_step(step: int, questions: list[dict], learner: Learner) -> dict:
@@ -123,7 +127,7 @@ def rl_step(step: int, questions: list[dict], learner: Learner) -> dict:
         vote = weighted_vote(ans, v, omega=cfg.omega, **dom.classes)
         # 5. vote, then sample: M of the N rollouts, chosen at random, go into the update
         keep = random.Random(question_seed(cfg, step, rec["id"], "downsample")).sample(range(cfg.n_votes), cfg.n_train)
-        votes.append(Judged(vote, v, vote.rewards(), sorted(keep)))
+        votes.append(Judged(vote, v, sorted(keep)))
     # 6. GRPO on every process's kept rollouts, an optimizer step per Q questions
     kept = gather_kept(shard, groups, votes, acc)
     with clock("update"):
