@@ -580,6 +580,15 @@ def is_equiv(pred, gold, timeout=EQUIV_TIME_LIMIT_S):
     return _keys_equiv(answer_key(pred), answer_key(gold), float(timeout))
 
 
+def computed_float_equiv(printed, answer, timeout=EQUIV_TIME_LIMIT_S):
+    r"""A double a program printed at machine precision (98.99494936611666) against an exact answer that is not a
+    plain number (70\sqrt{2}, 2\pi): math-verify's numeric comparison, which rounds to the printed precision. For a
+    tool's computed values only; between answers is_equiv keeps 98.99494936611666 != 70\sqrt{2}."""
+    if printed is None or answer is None:
+        return False
+    return _worker.equal(printed, answer_key(answer), float(timeout))
+
+
 def same_answer(a, b):
     """is_equiv made symmetric, for voting: weighted_vote(..., key=answer_key, same=same_answer).
     The pair is ordered by key, so vote classes do not depend on the order of the rollouts."""

@@ -29,10 +29,8 @@ import fcntl
 import importlib.util
 import os
 import shutil
-import socket
 import sys
 import time
-import urllib.parse
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -219,17 +217,40 @@ def check_spec(spec: str, option: str = "--model"):
 
 
 def check_hub(spec: str, option: str = "--model"):
-    """For a Hub id: refuse it at once when it is neither in the local cache nor downloadable (a 3 s probe)."""
-    from huggingface_hub import try_to_load_from_cache
+    """For a Hub id: refuse it at once when the Hub client can neither find it in its cache nor fetch it (only its
+    config.json is fetched here; the weights come with load_model)."""
     if offline_model(spec) or Path(spec).expanduser().exists() or Path(spec).suffix == ".gguf":
         return
-    if not isinstance(try_to_load_from_cache(spec, "config.json"), str) and not hub_reachable():
-        raise ModelLoadError(_unreachable(spec, option))
+    hub_snapshot(spec, option, files=["config.json"])
+
+
+# A checkpoint's files on the Hub: config, tokenizer and safetensors weights, not the GGUF/ONNX/Flax copies that
+# many repositories carry too. Repositories with only PyTorch .bin weights get those instead.
+HUB_CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+
+
+def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES) -> Path:
+    """The folder of a Hub model's files, through huggingface_hub's own client, so everything a Hub user has set
+    applies: the cache (HF_HOME; a cached snapshot is not downloaded again), HF_TOKEN, HF_ENDPOINT (a mirror),
+    HF_HUB_OFFLINE, proxies. Not cached and not reachable -> one-line ModelLoadError naming `option`."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+    try:
+        folder = Path(snapshot_download(spec, allow_patterns=files))
+        if files is HUB_CHECKPOINT_FILES and not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(spec, allow_patterns=[*files, "*.bin"]))
+        return folder
+    except RepositoryNotFoundError:  # also a gated or private repository without a token that may read it
+        raise ModelLoadError(f"{option} {spec}: the Hub has no such model, or it is gated or private; check the id, "
+                             f"or set HF_TOKEN to a token that may read it") from None
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(_unreachable(spec, option)) from None
 
 
 def _unreachable(spec: str, option: str) -> str:
-    return (f"{option} {spec}: not in the local Hugging Face cache and the Hub is unreachable; on a machine with "
-            f"access run `hf download {spec} --local-dir DIR` and pass {option} DIR, or use an offline model ({OFFLINE_NAMES})")
+    return (f"{option} {spec}: not in the local Hugging Face cache and the Hub is unreachable (or HF_HUB_OFFLINE is set); "
+            f"on a machine with access run `hf download {spec} --local-dir DIR` and pass {option} DIR, or use an offline "
+            f"model ({OFFLINE_NAMES})")
 
 
 def _resolve(spec: str) -> Path | str:
@@ -256,20 +277,10 @@ def parse_dtype(dtype) -> torch.dtype:
     return names[dtype]
 
 
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face Hub answers at all; a quick probe spares minutes of download retries offline."""
-    host = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname
-    try:
-        socket.create_connection((host, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def _from_pretrained(source, dtype, **kwargs):
+def _from_pretrained(source: Path, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=parse_dtype(dtype), **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=parse_dtype(dtype))
     return model, tokenizer
 
 
@@ -277,26 +288,20 @@ def load_model(spec: str = "embedded", dtype=None):
     """(model, tokenizer) for a Hub id, a local folder, a .gguf path or an offline model name. dtype defaults
     to the offline model's cache dtype (bfloat16 for coder-1.5b), float32 for everything else.
 
-    A Hub id is read from the local Hugging Face cache when it is there, downloaded otherwise.
+    A Hub id comes through huggingface_hub (hub_snapshot): from its cache when there, downloaded otherwise.
     The model is returned in eval mode on the CPU; callers move it (accelerate does) and switch modes.
     """
     source = _resolve(spec)
     if dtype is None and offline_model(spec):
         dtype = offline_model(spec).dtype
-    if isinstance(source, Path):
-        try:
-            model, tokenizer = _from_pretrained(source, dtype)
-        except OSError as err:
-            raise ModelLoadError(f"--model {spec}: cannot read the checkpoint in {source} ({err}); "
-                                 f"delete that folder and load again to rebuild it") from err
-    else:
-        try:
-            model, tokenizer = _from_pretrained(source, dtype, local_files_only=True)
-        except OSError:
-            if not hub_reachable():
-                raise ModelLoadError(_unreachable(spec, "--model")) from None
-            print(f"[t3rl] downloading {spec} from the Hugging Face Hub ...", file=sys.stderr)
-            model, tokenizer = _from_pretrained(source, dtype)
+    if not isinstance(source, Path):
+        print(f"[t3rl] --model {spec}: from the Hugging Face cache, or downloaded through huggingface_hub", file=sys.stderr)
+        source = hub_snapshot(spec)
+    try:
+        model, tokenizer = _from_pretrained(source, dtype)
+    except OSError as err:
+        raise ModelLoadError(f"--model {spec}: cannot read the checkpoint in {source} ({err}); "
+                             f"delete that folder and load again to rebuild it") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()

@@ -56,6 +56,7 @@ from verifier import (
     extract_code,
     hardcoded,
     model_verifier,
+    tool_agrees,
     verifier_prompt,
     verify_batch,
 )
@@ -160,12 +161,6 @@ def test_coder_1_5b_parts_assemble_into_the_paper_verifier_gguf():
     assert "<|im_start|>" in header["chat_template"]
 
 
-def test_unreachable_hub_id_gives_one_clear_error(monkeypatch):
-    monkeypatch.setenv("HF_ENDPOINT", "https://hub.invalid")
-    with pytest.raises(model_lib.ModelLoadError, match=r"Hub is unreachable.*hf download no-org/no-model"):
-        model_lib.load_model("no-org/no-model")
-
-
 @pytest.mark.parametrize("spec", ["missing.gguf", "./no/such/folder", "not a model"])
 def test_bad_model_spec_is_rejected(spec):
     with pytest.raises(model_lib.ModelLoadError, match="--model"):
@@ -209,10 +204,11 @@ def test_record_without_answer_names_file_and_line(tmp_path, monkeypatch):
 
 class FakeHub(http.server.ThreadingHTTPServer):
     """The Hub's HTTP API as huggingface_hub uses it (repo info, file tree, file downloads), on 127.0.0.1, serving
-    `files` {dataset: {path: bytes}}; `requests` records (path, Authorization header) for each dataset request."""
+    `files` {repo: {path: bytes}} of `kind` "datasets" or "models"; `requests` records (path, Authorization header)
+    for each request about a served repo."""
 
-    def __init__(self, files):
-        self.files, self.requests = files, []
+    def __init__(self, files, kind="datasets"):
+        self.files, self.kind, self.requests = files, kind, []
         super().__init__(("127.0.0.1", 0), FakeHubHandler)
         self.url = f"http://127.0.0.1:{self.server_port}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
@@ -223,18 +219,21 @@ class FakeHubHandler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         path = urllib.parse.urlparse(self.path).path
+        kind = self.server.kind
         for repo, files in self.server.files.items():
             if repo in path:
                 self.server.requests.append((path, self.headers.get("authorization")))
-            if path.startswith(f"/api/datasets/{repo}/revision/"):
+            if path.startswith(f"/api/{kind}/{repo}/revision/"):
                 return self.reply({"id": repo, "sha": self.commit, "siblings": [{"rfilename": f} for f in files]})
-            if path.startswith(f"/api/datasets/{repo}/tree/"):
+            if path.startswith(f"/api/{kind}/{repo}/tree/"):
                 return self.reply([{"type": "file", "path": f, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
                                    for f, data in files.items()])
-            name = path.removeprefix(f"/datasets/{repo}/resolve/{self.commit}/")
+            name = path.removeprefix(f"{'/datasets' if kind == 'datasets' else ''}/{repo}/resolve/{self.commit}/")
             if name in files:
                 etag = f'"{hashlib.sha1(files[name]).hexdigest()}"'
                 return self.reply(files[name], {"X-Repo-Commit": self.commit, "ETag": etag})
+        if path.startswith(f"/api/{kind}/"):  # what the Hub answers about a repository it does not have
+            return self.reply(b"", {"X-Error-Code": "RepoNotFound"}, status=401)
         self.reply(b"", status=404)
 
     do_HEAD = do_GET
@@ -263,6 +262,46 @@ def load_benches_in_a_new_process(env, *names) -> dict:
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def load_models_in_a_new_process(env, *specs) -> list[dict]:
+    """load_model(spec) for each spec in a fresh process (huggingface_hub reads HF_* variables at import):
+    {"hidden_size", "vocab"} of the loaded model, or {"error": the ModelLoadError's message}."""
+    script = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r})\nimport model\n"
+              "for spec in sys.argv[1:]:\n"
+              "    try:\n        m, tok = model.load_model(spec)\n"
+              "        print(json.dumps({'hidden_size': m.config.hidden_size, 'vocab': len(tok)}))\n"
+              "    except model.ModelLoadError as err:\n        print(json.dumps({'error': str(err)}))\n")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("HF_")}, **env}
+    done = subprocess.run([sys.executable, "-c", script, *specs], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def test_hub_models_come_through_the_hub_client_with_token_mirror_cache_and_offline_mode(tmp_path, tokenizer):
+    folder = tmp_path / "tiny"
+    make_tiny_model(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "tiny-q4.gguf").write_bytes(b"GGUF" + bytes(64))  # a repository's GGUF copy: not a checkpoint file
+    hub = FakeHub({"t3rl-test/tiny-qwen2": {p.name: p.read_bytes() for p in folder.iterdir()}}, kind="models")
+    env = {"HF_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"), "HF_TOKEN": "hf_t3rl_test"}
+    try:
+        online = load_models_in_a_new_process(env, "t3rl-test/tiny-qwen2", "t3rl-test/no-such-model")
+        fetched = {path.rsplit("/", 1)[-1] for path, _ in hub.requests if "/resolve/" in path}
+        tokens = {auth for _, auth in hub.requests}
+        hub.requests.clear()
+        offline = load_models_in_a_new_process({**env, "HF_HUB_OFFLINE": "1"}, "t3rl-test/tiny-qwen2",
+                                               "t3rl-test/never-downloaded")
+    finally:
+        hub.shutdown()
+    assert online[0] == {"hidden_size": 64, "vocab": len(tokenizer)}
+    # through the mirror, with the user's token, only the checkpoint's files
+    assert tokens == {"Bearer hf_t3rl_test"} and "model.safetensors" in fetched and "tiny-q4.gguf" not in fetched
+    assert online[1]["error"].startswith("--model t3rl-test/no-such-model: the Hub has no such model")
+    # offline: the cache answers without a request; what was never downloaded is one clear line
+    assert offline[0] == online[0] and hub.requests == []
+    assert offline[1]["error"].startswith("--model t3rl-test/never-downloaded: not in the local Hugging Face cache")
+    assert "HF_HUB_OFFLINE" in offline[1]["error"] and "\n" not in offline[1]["error"]
 
 
 def test_benchmarks_come_through_the_hub_client_with_token_mirror_cache_and_offline_mode(tmp_path, monkeypatch):
@@ -1705,6 +1744,21 @@ def test_a_value_the_problem_supplies_or_another_answer_is_no_copy():
     assert not hardcoded("print(1320)", GUARD_PROBLEM, "1321")
     assert hardcoded("from fractions import Fraction\nprint(Fraction(3, 4))", "Find the ratio p/q.", "\\frac34")
     assert not hardcoded("from fractions import Fraction\nprint(Fraction(3, 4))", "3 of every 4 cats ...", "\\frac34")
+
+
+def test_a_word_the_problem_offers_is_no_copy():
+    problem = "She spins 2250 degrees to her right. Which direction (north, south, east or west) is she facing?"
+    chosen = "turns = 2250 // 90 % 4\nd = 'east' if turns == 1 else 'north'\nprint(d)"
+    assert not hardcoded(chosen, problem, "\\text{east}")
+    assert hardcoded(chosen, "She spins 2250 degrees to her right. Which way is she facing?", "\\text{east}")
+    assert hardcoded("print('Evelyn')", "Which student ran fastest?", "\\text{Evelyn}")
+
+
+def test_a_printed_double_verifies_an_irrational_answer_at_its_own_precision():
+    assert tool_agrees("98.99494936611666", "70 \\sqrt{2}") and tool_agrees("6.283185307179586", "2\\pi")
+    assert not tool_agrees("98.99494936611666", "70\\sqrt{3}")
+    assert not tool_agrees("98.99", "70\\sqrt{2}")  # a rounded decimal is no computed double
+    assert not is_equiv("98.99494936611666", "70\\sqrt{2}")  # between answers, decimals stay decimals
 
 
 # -------------------------------------------------------------------------------------------- model verifier

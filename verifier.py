@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 import knk
-from answers import _fraction_str, answer_key, extract_answer, is_equiv, same_answer
+from answers import _fraction_str, answer_key, computed_float_equiv, extract_answer, is_equiv, same_answer
 from sandbox import default_pool
 from voting import answer_classes
 
@@ -157,6 +157,7 @@ class _Taint:
 
     def __init__(self, tree, problem, answer):
         self.numbers = {Fraction(n) for n in _PROBLEM_NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", problem))}
+        self.problem = problem
         self.answer_key, self.answer_value = answer_key(answer), _value(answer)
         self.bindings, self.returns = {}, {}
         for node in ast.walk(tree):
@@ -182,9 +183,18 @@ class _Taint:
         return parts == [self.answer_value.numerator, self.answer_value.denominator] and \
             not {Fraction(p) for p in parts} <= self.numbers
 
+    def _supplied(self, constant):
+        """Does the problem give this literal: one of its numbers, or a word of its text ('east' when it asks
+        "north, south, east or west?", a name it mentions)?"""
+        value = _value(constant.value)
+        if value is not None or not isinstance(constant.value, str):
+            return value in self.numbers
+        word = re.escape(constant.value.strip())
+        return bool(word) and re.search(rf"(?<!\w){word}(?!\w)", self.problem, re.IGNORECASE) is not None
+
     def carries(self, node, seen=frozenset()):
         if isinstance(node, ast.Constant):
-            return self._is_answer(node) and _value(node.value) not in self.numbers
+            return self._is_answer(node) and not self._supplied(node)
         if self._is_answer_fraction(node):
             return True
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in seen:
@@ -316,7 +326,8 @@ def _python_spelling(result):
 def tool_agrees(result, answer):
     """t_i equivalent to a_i, as printed, as sympy's LaTeX of it (PrintedResult.latex), or as the value after
     a label ('The answer is 9'). A float printed at machine precision (1/3 -> 0.3333333333333333) is a computed
-    double: it matches a rational answer within relative 1e-9; shorter decimals compare exactly (0.33 != 1/3)."""
+    double: it matches a rational answer within relative 1e-9, and another exact answer (70\\sqrt{2}, 2\\pi) at the
+    double's precision (computed_float_equiv); shorter decimals compare exactly (0.33 != 1/3)."""
     if result is None:
         return False
     latex = getattr(result, "latex", None)
@@ -331,7 +342,7 @@ def tool_agrees(result, answer):
         try:
             value = Fraction(answer_key(answer))
         except (ValueError, ZeroDivisionError):
-            return False
+            return computed_float_equiv(result, answer)
         return abs(float(result) - value) <= 1e-9 * max(1.0, abs(float(value)))
     return False
 
