@@ -75,10 +75,23 @@ statement; use the reasoning only as a hint for how to approach the problem.
 2. Never hard-code the candidate's final answer and never print it as a literal: the program must \
 compute the result.
 3. Answer with exactly one code block in the form ```python\\nCODE\\n```.
-4. Import only these modules: math, sympy, numpy, fractions. Define every name you use, including sympy \
-symbols (x = sympy.symbols('x')).
-5. The program prints only the final result, once, at the end, e.g. print(result). Prefer exact values \
-(integers, fractions.Fraction, sympy expressions) to rounded decimals."""
+4. Import only these modules: math, sympy, numpy, fractions. Define every name before you use it: each \
+quantity the problem gives is a variable, each unknown a sympy symbol (x = sympy.symbols('x')).
+5. Solve equations with sympy.solve and keep the solutions that meet the problem's conditions (real, \
+positive, integer, in range); split absolute values and inequalities into cases. A figure drawn in \
+Asymptote code ([asy] ... [/asy]) gives its coordinates and labels in that code.
+6. The program prints only the final result, once, at the end, e.g. print(result), in the form the problem \
+asks for: exact values (integers, fractions.Fraction, sympy expressions such as sympy.sqrt(2) or sympy.pi) \
+rather than rounded decimals; a word or a name when the question asks for one.
+
+Example. Problem: What is the sum of the solutions of $x^2 - 5x + 6 = 0$? Candidate: the roots are 2 and 3, \
+so the answer is $\\boxed{5}$. Program:
+```python
+import sympy
+x = sympy.symbols('x')
+solutions = sympy.solve(x**2 - 5*x + 6, x)
+print(sum(solutions))
+```"""
 
 VERIFIER_USER = """Problem:
 {problem}
