@@ -356,7 +356,7 @@ class Config:
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 PRESETS = {
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
-    "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=4, max_steps=6,
+    "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=3, max_steps=4,
                 max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lr=2e-6, eval_samples=0, save_every=3,
                 micro_batch_tokens=4096, mini_batch_questions=2),
     "none": {},
