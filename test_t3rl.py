@@ -56,6 +56,7 @@ from verifier import (
     extract_code,
     hardcoded,
     model_verifier,
+    python_tool,
     tool_agrees,
     verifier_prompt,
     verify_batch,
@@ -1752,6 +1753,12 @@ def test_a_word_the_problem_offers_is_no_copy():
     assert not hardcoded(chosen, problem, "\\text{east}")
     assert hardcoded(chosen, "She spins 2250 degrees to her right. Which way is she facing?", "\\text{east}")
     assert hardcoded("print('Evelyn')", "Which student ran fastest?", "\\text{Evelyn}")
+
+
+def test_programs_find_the_allowed_modules_under_their_usual_names(verify_pool):
+    run = python_tool(["x = sp.symbols('x')\nprint(sp.solve(x - 3, x)[0] + int(np.int64(1)) + math.floor(0.5))"],
+                      verify_pool)[0]
+    assert (run.status, run.result) == ("ok", "4")
 
 
 def test_a_printed_double_verifies_an_irrational_answer_at_its_own_precision():

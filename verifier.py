@@ -301,12 +301,18 @@ _PYTHON_EXPRESSION = re.compile(r"[A-Za-z*(\[{]")
 _LATEX_SNIPPET = "import sympy\nprint(sympy.latex(sympy.sympify({text!r})))"
 
 
+# The tool is a Python with the allowed modules at hand under the names programs give them by habit: a
+# program that writes sp.solve after `import sympy` fails on a name, not on its mathematics.
+PYTHON_PRELUDE = "import math, fractions\nimport numpy, numpy as np\nimport sympy, sympy as sp\n"
+
+
 def python_tool(codes, sandbox=None):
-    """Run every program in the sandbox (one run_many call; None: sandbox.default_pool()), never in this
-    process, then spell the results that are Python expressions in LaTeX (a second run_many of one-line
-    sympy snippets). verify_batch applies the hard-coding guard afterwards (it needs the problem and the answer)."""
+    """Run every program, after PYTHON_PRELUDE, in the sandbox (one run_many call; None: sandbox.default_pool()),
+    never in this process, then spell the results that are Python expressions in LaTeX (a second run_many of
+    one-line sympy snippets). verify_batch applies the hard-coding guard afterwards (it needs the problem and
+    the answer)."""
     sandbox = sandbox or default_pool()
-    runs = sandbox.run_many(codes) if codes else []
+    runs = sandbox.run_many([PYTHON_PRELUDE + code for code in codes]) if codes else []
     tool_runs = []
     for code, run in zip(codes, runs):
         lines = [line.strip() for line in run.stdout.splitlines() if line.strip()]
