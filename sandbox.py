@@ -216,7 +216,7 @@ class _CodeArrived(BaseException):  # not an Exception: sympy's own `except Exce
 def _prefault(request_fd):
     """Until the code arrives on request_fd, run a small solve like a verifier program's. A snippet's first
     solve after the fork spends most of its time in copy-on-write faults (refcount writes to pages it shares
-    with the worker: ~1,650 faults, 8 ms, against 3 ms for the same solve once they are paid); paying them
+    with the worker, more than the solve itself once they are paid); paying them
     while idle takes them off the request path. An interval timer looks at request_fd every 0.5 ms and
     abandons the solve once the code is there, so a request never waits for it. Symbols and numbers differ
     from any test's, so no result is served from sympy's cache."""
@@ -666,8 +666,8 @@ def _warm_up():
     sympy.solve(x ** 2 + 4 * x - 21, x)  # quadratics (most verifier programs) take another path: warm it too
     sympy.simplify(sympy.sqrt(8) + sympy.Rational(1, 3))
     numpy.linalg.solve(numpy.eye(2), numpy.ones(2))
-    numpy.random.seed()  # the first seeding loads its entropy machinery (~20 ms); snippets reseed
-    import z3  # the Knights-and-Knaves tool (verifier.smt_tool): loading libz3 costs ~0.3 s, a first solve more
+    numpy.random.seed()  # the first seeding loads its entropy machinery; snippets reseed
+    import z3  # the Knights-and-Knaves tool (verifier.smt_tool): loading libz3 is slow, a first solve slower
     z3.Solver().check(z3.parse_smt2_string("(declare-const p Bool)(declare-const q Bool)(assert (= p (not q)))"))
     os.environ.clear()
     import gc

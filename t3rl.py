@@ -3,7 +3,7 @@
 Test-time RL trains a model on unlabeled test questions. For each question q:
 
     y_1..y_N ~ pi_theta(. | q)                     sample N rollouts                     (sampler.py)
-    a_i = extract(y_i)                             the final answer of each rollout      (verifier.py)
+    a_i = extract(y_i)                             the final answer of each rollout      (answers.py)
     v_i = [ run(program_i) == a_i ]                a verifier LLM writes program_i that
                                                    recomputes the answer; the sandbox runs it (verifier.py, sandbox.py)
     w_i = (1 - v_i) + v_i * omega                  verified rollouts carry omega votes    (voting.py)
