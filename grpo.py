@@ -345,15 +345,8 @@ def grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_
     bfloat16 where the device supports it. Returns float metrics of the whole batch, over all processes.
     """
     started = time.perf_counter()
-    if not len(prompts) == len(completions) == len(rewards):
-        raise ValueError(f"grpo_step: {len(prompts)} prompts, {len(completions)} completions and {len(rewards)} "
-                         f"rewards; pass one of each per rollout")
-    if mini_batch_groups is not None and mini_batch_groups < 1:
-        raise ValueError(f"mini_batch_groups={mini_batch_groups}: must be >= 1 (or None: one mini-batch)")
-    if kl_coef > 0 and ref_model is None:
-        raise ValueError("grpo_step: kl_coef > 0 needs ref_model (the frozen initial policy)")
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: pass the (positive) temperature the rollouts were sampled at")
+    _check_step_arguments(prompts, completions, rewards, mini_batch_groups=mini_batch_groups, kl_coef=kl_coef,
+                          ref_model=ref_model, temperature=temperature)
     _check_aggregation(agg, norm_len)
     device = accelerator.device if accelerator is not None else next(model.parameters()).device
     bf16 = bf16_supported(device) if bf16 is None else bf16
@@ -383,6 +376,18 @@ def grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_
                    tokens=float(sum(len(p) + len(c) for p, c in zip(prompts, completions))),
                    seconds=time.perf_counter() - started)
     return metrics
+
+
+def _check_step_arguments(prompts, completions, rewards, *, mini_batch_groups, kl_coef, ref_model, temperature):
+    if not len(prompts) == len(completions) == len(rewards):
+        raise ValueError(f"grpo_step: {len(prompts)} prompts, {len(completions)} completions and {len(rewards)} "
+                         f"rewards; pass one of each per rollout")
+    if mini_batch_groups is not None and mini_batch_groups < 1:
+        raise ValueError(f"mini_batch_groups={mini_batch_groups}: must be >= 1 (or None: one mini-batch)")
+    if kl_coef > 0 and ref_model is None:
+        raise ValueError("grpo_step: kl_coef > 0 needs ref_model (the frozen initial policy)")
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature}: pass the (positive) temperature the rollouts were sampled at")
 
 
 def _step_statistics(totals: dict, steps: int, accelerator) -> dict:

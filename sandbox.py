@@ -243,7 +243,9 @@ def _prefault(request_fd):
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
 
-def _snippet(cfg, folder, request_r, out_w, err_w, status_w, prefault):
+def _lock_down(cfg, folder, request_r, out_w, err_w, status_w):
+    """Make this process the snippet's: own session, pipes on fds 0-4, privileges dropped, limits set, an empty
+    environment in its own folder."""
     os.setsid()
     stdin = os.open("/dev/null", os.O_RDONLY)
     # lift the pipes above 4 first, so that no dup2 below overwrites one it still needs
@@ -271,6 +273,12 @@ def _snippet(cfg, folder, request_r, out_w, err_w, status_w, prefault):
     os.environ.update(HOME=folder, TMPDIR=folder, PATH=SNIPPET_PATH, LANG="C.UTF-8")
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _snippet(cfg, folder, request_r, out_w, err_w, status_w, prefault):
+    """The snippet process, forked before its code arrives: lock down, wait for the code, run it as __main__,
+    report its exit code on fd 3 and exit."""
+    _lock_down(cfg, folder, request_r, out_w, err_w, status_w)
     import random
     import types
 
