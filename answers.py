@@ -187,7 +187,7 @@ def _split_top(s, sep):
     return parts
 
 
-def _unwrap(s):
+def _strip_delimiters(s):
     r"""Remove what surrounds an answer: $...$, \(...\), \boxed{}, \displaystyle, a final full stop."""
     while True:
         before = s
@@ -252,11 +252,11 @@ def _exact_decimals(s):
     return re.sub(r"(?<![\d.])\d*\.\d+(?![\d.])", exact, s)
 
 
-def _clean(s):
+def _strip_presentation(s):
     r"""Presentation-free spelling of one answer (no outer structure handled here)."""
     for old, new in _UNICODE.items():
         s = s.replace(old, new)
-    s = _unwrap(s)
+    s = _strip_delimiters(s)
     s = re.sub(r"\\(?:left|right)\s*[.]", "", s)
     s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
@@ -416,7 +416,7 @@ def _interval_or_none(s):
 
 @functools.lru_cache(maxsize=1 << 16)
 def _key(ans):
-    s = _clean(ans)
+    s = _strip_presentation(ans)
     choice = _CHOICE.match(s)
     if choice:
         return choice.group(1)

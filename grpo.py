@@ -139,7 +139,7 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2
 
 # ----------------------------------------------------------------------------- log-probabilities
 
-def _unwrap(model):
+def _inner_model(model):
     """The transformers model inside DDP / accelerate wrappers."""
     while hasattr(model, "module"):
         model = model.module
@@ -211,7 +211,7 @@ def token_logprobs(model, input_ids, attention_mask, response_mask, temperature:
     if response[:, 0].any():
         raise ValueError("response_mask: the first position has no context to predict it from; "
                          "every sequence needs at least one prompt token")
-    head = _unwrap(model).get_output_embeddings()                                # tied or untied alike
+    head = _inner_model(model).get_output_embeddings()                           # tied or untied alike
     if getattr(head, "bias", None) is not None:
         raise ValueError(f"token_logprobs: output heads with a bias are not supported ({type(head).__name__})")
     # logits_to_keep=1: the model itself computes logits for the last position only
@@ -448,7 +448,7 @@ def _fix_logprobs(plan, logprobs, model, ref_model):
 
 
 def _set_checkpointing(model, enabled: bool):
-    core = _unwrap(model)
+    core = _inner_model(model)
     if core.is_activation_checkpointing != enabled:
         if enabled:
             core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})

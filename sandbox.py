@@ -552,7 +552,7 @@ def _run(snippet, request, cfg):
             "returncode": returncode, "duration": duration}
 
 
-def _clean(snippet, cfg):
+def _discard_snippet(snippet, cfg):
     """After the reply: reap the snippet process, close the pipes, remove the folder (and all else written)."""
     _reap_all(snippet.pid, cfg["mode"] != "none")
     for fd in (snippet.out_r, snippet.err_r, snippet.status_r, snippet.pidfd):
@@ -584,11 +584,11 @@ def _worker(cfg, sock):
     snippet = _prepare(cfg, prefault=True)
     while (request := _recv(sock)) is not None:
         _send(sock, _run(snippet, request, cfg))
-        _clean(snippet, cfg)  # while the caller reads the reply
+        _discard_snippet(snippet, cfg)  # while the caller reads the reply
         # prefault only when idle: with the next request already queued (run_many) it would only add work
         snippet = _prepare(cfg, prefault=not select.select([sock], [], [], 0)[0])
     os.close(snippet.request_w)  # the waiting snippet process reads EOF and exits
-    _clean(snippet, cfg)
+    _discard_snippet(snippet, cfg)
     os._exit(0)
 
 
