@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import knk
 from answers import answer_key, extract_answer, is_equiv, same_answer
+from files import DataError, append_jsonl, drop_torn_tail, jsonl_objects, keep_jsonl, read_jsonl_rows, write_atomically
 from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from model import ModelLoadError, check_hub, check_spec, load_model
 from sampler import generate
@@ -155,38 +156,8 @@ HUB_BENCHES = {
 BENCHES = [*HUB_BENCHES, "demo", "knk"]  # knk: data/knk.jsonl, made by `python knk.py --generate`
 
 
-class DataError(ValueError):
-    """A data file (a benchmark, or a run's JSON-lines) cannot be read; the message names the file, the line and
-    what to do."""
-
-
 class BenchError(DataError):
     """A benchmark could not be found; the message says where and what to do."""
-
-
-def jsonl_objects(path: Path, torn_tail_ok: bool = False):
-    """(line number, object) for each non-blank line of a JSON-lines file; errors name the file and the line.
-    With torn_tail_ok, a last line without its newline that does not parse (what a kill during an append
-    leaves) is dropped with a note instead."""
-    lines = path.read_bytes().split(b"\n")
-    for lineno, raw in enumerate(lines, start=1):
-        try:
-            line = raw.decode("utf-8")
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            if torn_tail_ok and lineno == len(lines):
-                print(f"[t3rl] {path}:{lineno}: dropped a half-written last line (left by a kill during a write)",
-                      file=sys.stderr)
-                return
-            if isinstance(err, UnicodeDecodeError):
-                raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
-                                f"save the file as UTF-8") from None
-            raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg}); fix or delete that line") from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        yield lineno, obj
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -672,39 +643,6 @@ def open_run_dir(cfg: Config) -> Path:
         raise RunDirError(f"--out-dir {cfg.out_dir}: cannot write the run folder {run_dir} "
                           f"({err.strerror or err}); pass a writable --out-dir") from None
     return run_dir
-
-
-def write_atomically(path: Path, text: str):
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_jsonl_rows(path: Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl or rollouts.jsonl (none when the file is missing)."""
-    return [row for _, row in jsonl_objects(path, torn_tail_ok=True)] if path.is_file() else []
-
-
-def append_jsonl(path: Path, rows: list[dict]):
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-
-
-def keep_jsonl(path: Path, keep):
-    """Rewrite a JSONL file with only the rows `keep` accepts (resume drops what came after the checkpoint,
-    and a torn last line with it)."""
-    if path.is_file():
-        write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in read_jsonl_rows(path) if keep(r)))
-
-
-def drop_torn_tail(path: Path):
-    """Rewrite a JSONL file whose last line was cut by a kill during an append, without that line (a file
-    that ends in a newline is left alone)."""
-    if path.is_file() and path.stat().st_size:
-        with open(path, "rb") as fh:
-            fh.seek(-1, os.SEEK_END)
-            if fh.read(1) != b"\n":
-                keep_jsonl(path, lambda row: True)
 
 
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, accelerator):
