@@ -479,16 +479,16 @@ DOMAINS = {"math": Domain(VERIFIER_SYSTEM, VERIFIER_USER, extract_code, python_t
 @dataclass
 class Verification:
     """The verdict on one rollout."""
-    v: int                 # 1 when the tool's result is equivalent to the rollout's answer
-    status: str            # one of STATUSES_VERIFY
-    result: str | None     # the tool's result t_i
-    code: str | None       # the verifier's program
-    completion: str | None # the verifier's whole completion
-    output: str            # what the program printed
-    tokens: int | None     # verifier tokens generated for this rollout (None: the verifier does not say)
-    seconds: float         # verifier generation time for this rollout: the batch's wall time / rollouts sent
-    tool_seconds: float    # time the program ran
-    inferred: bool = False # True: not sent to the verifier; the outcome of its answer class (--verify-budget)
+    v: int                         # 1 when the tool's result is equivalent to the rollout's answer
+    status: str                    # one of STATUSES_VERIFY
+    result: str | None             # the tool's result t_i
+    code: str | None = None        # the verifier's program (None: no verifier call for it)
+    completion: str | None = None  # the verifier's whole completion
+    output: str = ""               # what the program printed
+    tokens: int | None = 0         # verifier tokens generated for this rollout (None: the verifier does not say)
+    seconds: float = 0.0           # verifier generation time for this rollout: the batch's wall time / rollouts sent
+    tool_seconds: float = 0.0      # time the program ran
+    inferred: bool = False         # True: not sent to the verifier; the outcome of its answer class (--verify-budget)
 
 
 class VerifierText(str):
@@ -578,17 +578,18 @@ def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None,
             status = "mismatch"
         else:
             status = {"error": "exec_error", "timeout": "timeout", "hardcoded": "hardcoded"}[run.status]
-        results[i] = Verification(int(status == "verified"), status, run and run.result, codes[i], str(text),
-                                  run.output if run else "", getattr(text, "num_tokens", None), seconds,
-                                  run.seconds if run else 0.0)
+        results[i] = Verification(v=int(status == "verified"), status=status, result=run and run.result,
+                                  code=codes[i], completion=str(text), output=run.output if run else "",
+                                  tokens=getattr(text, "num_tokens", None), seconds=seconds,
+                                  tool_seconds=run.seconds if run else 0.0)
     for i, chosen in heirs.items():
         outcomes = [results[j] for j in chosen]
         v = int(2 * sum(r.v for r in outcomes) > len(outcomes))
         like = next(r for r in outcomes if r.v == v)
-        results[i] = Verification(v, like.status, like.result, None, None, "", 0, 0.0, 0.0, inferred=True)
+        results[i] = Verification(v=v, status=like.status, result=like.result, inferred=True)
     for i, answer in enumerate(answers):
         if answer is None:
-            results[i] = Verification(0, "no_answer", None, None, None, "", 0, 0.0, 0.0)
+            results[i] = Verification(v=0, status="no_answer", result=None)
     return results
 
 
