@@ -25,8 +25,8 @@ key=answer_key, same=same_answer) buckets by key and joins the buckets that only
 answer_key is canonical (a percent is its number of percent, not a pairwise "9% ~ 9 and ~ 0.09" rule), so
 "the same answer" stays an equivalence, as voting.py requires.
 
-`python answers.py --bench-equiv` measures is_equiv on the labelled set data/equiv_cases.jsonl
-against bare math-verify and plain string matching.
+`python answers.py --bench-equiv` (bench/answers_bench.py) measures is_equiv on the labelled set
+data/equiv_cases.jsonl against bare math-verify and plain string matching.
 """
 
 import functools
@@ -41,7 +41,6 @@ from fractions import Fraction
 
 EQUIV_TIME_LIMIT_S = 2.0
 MACHINE_DIGITS = 15  # a decimal with this many significant digits is a printed double, not a human rounding
-EQUIV_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "equiv_cases.jsonl")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -188,7 +187,7 @@ def _split_top(s, sep):
     return parts
 
 
-def _unwrap(s):
+def _strip_delimiters(s):
     r"""Remove what surrounds an answer: $...$, \(...\), \boxed{}, \displaystyle, a final full stop."""
     while True:
         before = s
@@ -253,11 +252,11 @@ def _exact_decimals(s):
     return re.sub(r"(?<![\d.])\d*\.\d+(?![\d.])", exact, s)
 
 
-def _clean(s):
+def _strip_presentation(s):
     r"""Presentation-free spelling of one answer (no outer structure handled here)."""
     for old, new in _UNICODE.items():
         s = s.replace(old, new)
-    s = _unwrap(s)
+    s = _strip_delimiters(s)
     s = re.sub(r"\\(?:left|right)\s*[.]", "", s)
     s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
@@ -417,7 +416,7 @@ def _interval_or_none(s):
 
 @functools.lru_cache(maxsize=1 << 16)
 def _key(ans):
-    s = _clean(ans)
+    s = _strip_presentation(ans)
     choice = _CHOICE.match(s)
     if choice:
         return choice.group(1)
@@ -571,7 +570,7 @@ def _keys_equiv(pred_key, gold_key, limit):
 def is_equiv(pred, gold, timeout=EQUIV_TIME_LIMIT_S):
     r"""True when the answer `pred` is mathematically the same as `gold`. None is never equal.
 
-    At most `timeout` seconds per call (plus ~2 s once, to start the helper process); a comparison
+    At most `timeout` seconds per call (plus, once, the helper process's start); a comparison
     that runs out of time counts as not equal, and that result is cached like any other."""
     if pred is None or gold is None:
         return False
@@ -598,83 +597,6 @@ def same_answer(a, b):
     return _keys_equiv(key_a, key_b, EQUIV_TIME_LIMIT_S)
 
 
-
-# ----------------------------------------------------------------------------------------------------
-# Benchmark: python answers.py --bench-equiv
-
-def _string_match(pred, gold):
-    return pred.strip() == gold.strip()
-
-
-def _bare_math_verify(pred, gold):
-    from math_verify import parse, verify
-    return verify(parse(rf"\boxed{{{gold}}}"), parse(rf"\boxed{{{pred}}}"))
-
-
-def _is_equiv_uncached(pred, gold):
-    _key.cache_clear()
-    _keys_equiv.cache_clear()
-    return is_equiv(pred, gold)
-
-
-def _run_checker(check, cases, desc):
-    """What `check` said on each case, and the milliseconds each call took."""
-    import time
-    from tqdm import tqdm
-    said, times = [], []
-    for case in tqdm(cases, desc=desc, leave=False):
-        start = time.perf_counter()
-        said.append(bool(check(case["pred"], case["gold"])))
-        times.append(1000 * (time.perf_counter() - start))
-    return said, times
-
-
-def bench_equiv(path=EQUIV_CASES):
-    """Accuracy, false positives/negatives and ms per call of three answer checkers side by side, then
-    math-verify and is_equiv per category, then every case either of them gets wrong."""
-    import logging
-    import statistics
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-    with open(path) as f:
-        cases = [json.loads(line) for line in f]
-    _worker.equal("x", "x", EQUIV_TIME_LIMIT_S)  # start the helper process outside the timings
-    checkers = {"string match": _string_match, "math-verify": _bare_math_verify, "is_equiv": _is_equiv_uncached}
-    results = {name: _run_checker(check, cases, name) for name, check in checkers.items()}
-    equal = sum(c["equal"] for c in cases)
-    print(f"{len(cases)} labelled cases ({equal} equal, {len(cases) - equal} not equal) from {path}")
-    print(f"{'checker':<14}{'accuracy':>10}{'false +':>9}{'false -':>9}{'median ms':>11}{'max ms':>9}")
-    for name, (said, times) in results.items():
-        false_pos = sum(s and not c["equal"] for s, c in zip(said, cases))
-        false_neg = sum(c["equal"] and not s for s, c in zip(said, cases))
-        print(f"{name:<14}{100 * (1 - (false_pos + false_neg) / len(cases)):>9.1f}%{false_pos:>9}{false_neg:>9}"
-              f"{statistics.median(times):>11.2f}{max(times):>9.1f}")
-    symbolic_ms = [t for t, c in zip(results["is_equiv"][1], cases)
-                   if _decided_by_strings(answer_key(c["pred"]), answer_key(c["gold"])) is None]
-    print(f"is_equiv sent {len(symbolic_ms)} of {len(cases)} cases to sympy: median {statistics.median(symbolic_ms):.2f} ms, "
-          f"max {max(symbolic_ms):.1f} ms; the rest were decided by answer_key alone")
-    print(f"\n{'category':<16}{'cases':>6}{'math-verify':>13}{'is_equiv':>10}   (right; false positives in brackets)")
-    for category in sorted({c["category"] for c in cases}):
-        rows = [i for i, c in enumerate(cases) if c["category"] == category]
-        cells = []
-        for name in ("math-verify", "is_equiv"):
-            said = results[name][0]
-            right = sum(said[i] == cases[i]["equal"] for i in rows)
-            false_pos = sum(said[i] and not cases[i]["equal"] for i in rows)
-            cells.append(f"{right}" + (f" ({false_pos})" if false_pos else ""))
-        print(f"{category:<16}{len(rows):>6}{cells[0]:>13}{cells[1]:>10}")
-    for name in ("math-verify", "is_equiv"):
-        print(f"\n{name} errors:")
-        for s, case in zip(results[name][0], cases):
-            if s != case["equal"]:
-                print(f"  {'FP' if s else 'FN'} [{case['category']}] pred={case['pred']!r} gold={case['gold']!r}")
-
-
 if __name__ == "__main__":
-    import argparse
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--bench-equiv", action="store_true", help="measure is_equiv on data/equiv_cases.jsonl")
-    args = parser.parse_args()
-    if args.bench_equiv:
-        bench_equiv()
-    else:
-        parser.print_help()
+    from bench.answers_bench import main
+    main()

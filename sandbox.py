@@ -1,9 +1,9 @@
 """Run untrusted verifier programs fast, and safely.
 
 The verifier LLM writes small Python programs that recompute an answer; with 64 rollouts per question that
-is tens of thousands of untrusted programs per run. Starting `python -c` and importing sympy costs ~0.5-1 s
-per program; here each program costs a fork of a warm process that already imported math, fractions,
-numpy, sympy and z3 (and ran a solve once), so it pays neither interpreter start-up nor imports.
+is tens of thousands of untrusted programs per run. Starting `python -c` and importing sympy costs far more
+than such a program's own work; here each program costs a fork of a warm process that already imported math,
+fractions, numpy, sympy and z3 (and ran a solve once), so it pays neither interpreter start-up nor imports.
 
 Process tree (one per pool):
 
@@ -57,10 +57,9 @@ Linux only (namespaces, pidfd, prctl). Usage:
         r = pool.run("print(1)")                      # r.status, r.stdout, r.stderr, r.returncode, r.duration
     run_snippet("print(1)")                           # lazily created module-wide pool, closed at exit
 
-    python sandbox.py --selftest                      # checks the protections on this machine
+    python sandbox.py --selftest                      # checks the protections on this machine (bench/sandbox_bench.py)
     python sandbox.py --bench                         # naive `python -c` vs pool: p50/p95 latency, throughput
 """
-import argparse
 import atexit
 import ctypes
 import dataclasses
@@ -217,7 +216,7 @@ class _CodeArrived(BaseException):  # not an Exception: sympy's own `except Exce
 def _prefault(request_fd):
     """Until the code arrives on request_fd, run a small solve like a verifier program's. A snippet's first
     solve after the fork spends most of its time in copy-on-write faults (refcount writes to pages it shares
-    with the worker: ~1,650 faults, 8 ms, against 3 ms for the same solve once they are paid); paying them
+    with the worker, more than the solve itself once they are paid); paying them
     while idle takes them off the request path. An interval timer looks at request_fd every 0.5 ms and
     abandons the solve once the code is there, so a request never waits for it. Symbols and numbers differ
     from any test's, so no result is served from sympy's cache."""
@@ -244,7 +243,9 @@ def _prefault(request_fd):
     signal.signal(signal.SIGALRM, signal.SIG_DFL)
 
 
-def _snippet(cfg, folder, request_r, out_w, err_w, status_w, prefault):
+def _lock_down(cfg, folder, request_r, out_w, err_w, status_w):
+    """Make this process the snippet's: own session, pipes on fds 0-4, privileges dropped, limits set, an empty
+    environment in its own folder."""
     os.setsid()
     stdin = os.open("/dev/null", os.O_RDONLY)
     # lift the pipes above 4 first, so that no dup2 below overwrites one it still needs
@@ -272,6 +273,12 @@ def _snippet(cfg, folder, request_r, out_w, err_w, status_w, prefault):
     os.environ.update(HOME=folder, TMPDIR=folder, PATH=SNIPPET_PATH, LANG="C.UTF-8")
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _snippet(cfg, folder, request_r, out_w, err_w, status_w, prefault):
+    """The snippet process, forked before its code arrives: lock down, wait for the code, run it as __main__,
+    report its exit code on fd 3 and exit."""
+    _lock_down(cfg, folder, request_r, out_w, err_w, status_w)
     import random
     import types
 
@@ -545,7 +552,7 @@ def _run(snippet, request, cfg):
             "returncode": returncode, "duration": duration}
 
 
-def _clean(snippet, cfg):
+def _discard_snippet(snippet, cfg):
     """After the reply: reap the snippet process, close the pipes, remove the folder (and all else written)."""
     _reap_all(snippet.pid, cfg["mode"] != "none")
     for fd in (snippet.out_r, snippet.err_r, snippet.status_r, snippet.pidfd):
@@ -577,11 +584,11 @@ def _worker(cfg, sock):
     snippet = _prepare(cfg, prefault=True)
     while (request := _recv(sock)) is not None:
         _send(sock, _run(snippet, request, cfg))
-        _clean(snippet, cfg)  # while the caller reads the reply
+        _discard_snippet(snippet, cfg)  # while the caller reads the reply
         # prefault only when idle: with the next request already queued (run_many) it would only add work
         snippet = _prepare(cfg, prefault=not select.select([sock], [], [], 0)[0])
     os.close(snippet.request_w)  # the waiting snippet process reads EOF and exits
-    _clean(snippet, cfg)
+    _discard_snippet(snippet, cfg)
     os._exit(0)
 
 
@@ -667,8 +674,8 @@ def _warm_up():
     sympy.solve(x ** 2 + 4 * x - 21, x)  # quadratics (most verifier programs) take another path: warm it too
     sympy.simplify(sympy.sqrt(8) + sympy.Rational(1, 3))
     numpy.linalg.solve(numpy.eye(2), numpy.ones(2))
-    numpy.random.seed()  # the first seeding loads its entropy machinery (~20 ms); snippets reseed
-    import z3  # the Knights-and-Knaves tool (verifier.smt_tool): loading libz3 costs ~0.3 s, a first solve more
+    numpy.random.seed()  # the first seeding loads its entropy machinery; snippets reseed
+    import z3  # the Knights-and-Knaves tool (verifier.smt_tool): loading libz3 is slow, a first solve slower
     z3.Solver().check(z3.parse_smt2_string("(declare-const p Bool)(declare-const q Bool)(assert (= p (not q)))"))
     os.environ.clear()
     import gc
@@ -962,118 +969,9 @@ def run_snippet(code, timeout=5.0):
     return default_pool().run(code, timeout)
 
 
-# ---------------------------------------------------------------------------------------------------------
-# Command line: --selftest checks the protections here, --bench compares with `python -c` per snippet.
-
-SYMPY_SOLVE = "from sympy import symbols, solve\nx = symbols('x')\nprint(solve(x**2 - 5*x + 6, x))"
-
-SELFTEST = [  # (name, code, timeout, check on Result)
-    ("sympy", SYMPY_SOLVE, 5, lambda r: r.ok and r.stdout == "[2, 3]\n"),
-    ("numpy", "import numpy as np\nprint(int(np.arange(10).sum()))", 5, lambda r: r.ok and r.stdout == "45\n"),
-    ("z3", "import z3\nx = z3.Bool('x')\ns = z3.Solver()\ns.add(x)\nprint(s.check())", 5, lambda r: r.ok and r.stdout == "sat\n"),
-    ("fractions", "from fractions import Fraction\nprint(Fraction(1, 3) + Fraction(1, 6))", 5,
-     lambda r: r.stdout == "1/2\n"),
-    ("syntax error", "print(", 5, lambda r: r.status == "error" and "SyntaxError" in r.stderr),
-    ("exception", "1/0", 5, lambda r: r.status == "error" and "ZeroDivisionError" in r.stderr),
-    ("infinite loop", "while True: pass", 1, lambda r: r.status == "timeout" and r.duration < 2),
-    ("sleep", "import time\ntime.sleep(60)", 1, lambda r: r.status == "timeout" and r.duration < 2),
-    ("memory bomb", "b = []\nwhile True: b.append(bytearray(1 << 24))", 10, lambda r: r.status == "memory"),
-    ("fork bomb", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", 1,
-     lambda r: r.status == "timeout"),
-    ("stdin at EOF", "import sys\nprint(repr(sys.stdin.read()))", 5, lambda r: r.stdout == "''\n"),
-    ("empty environment", "import os\nprint(sorted(os.environ))", 5,
-     lambda r: r.stdout == "['HOME', 'LANG', 'PATH', 'TMPDIR']\n"),
-    ("write /tmp", "open('/tmp/t3rl-sandbox-selftest', 'w')", 5,
-     lambda r: r.status == "error" and not os.path.exists("/tmp/t3rl-sandbox-selftest")),
-    ("network", "import socket\nsocket.create_connection(('127.0.0.1', 22), timeout=1)", 5,
-     lambda r: r.status == "error" and ("Error" in r.stderr)),
-    ("100 MB output", "print('x' * 100_000_000)", 10, lambda r: r.status == "output_limit"),
-    ("segfault", "import ctypes\nctypes.string_at(0)", 5, lambda r: r.status == "killed"),
-    ("kill parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('alive')", 5,
-     lambda r: r.status in ("ok", "error")),
-    ("invalid UTF-8", "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe ok')", 5,
-     lambda r: r.stdout == "\ufffd\ufffd ok"),
-]
-
-
-def selftest():
-    with SandboxPool() as pool:
-        print(pool.report, "\n")
-        failures = 0
-        for name, code, timeout, check in SELFTEST:
-            result = pool.run(code, timeout=timeout)
-            passed = bool(check(result))
-            failures += not passed
-            print(f"{'PASS' if passed else 'FAIL'}  {name:<18} {result.status:<12} {result.duration * 1000:8.1f} ms")
-        print(f"\n{len(SELFTEST) - failures}/{len(SELFTEST)} checks passed")
-    return 1 if failures else 0
-
-
-def _naive_run(code):
-    """The baseline: a fresh interpreter per snippet. Returns the wall time."""
-    start = time.monotonic()
-    subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, env={}, cwd=tempfile.gettempdir(),
-                   check=True)
-    return time.monotonic() - start
-
-
-def _pool_run(pool, code):
-    start = time.monotonic()
-    result = pool.run(code)
-    if not result.ok:
-        raise RuntimeError(f"benchmark snippet failed in the pool: {result}")
-    return time.monotonic() - start
-
-
-def _measure(run_one, run_batch, runs, batch, label):
-    """p50 and p95 of one-at-a-time latency in ms, and snippets per second for a batch run at once."""
-    from tqdm import tqdm
-    latencies = sorted(run_one() for _ in tqdm(range(runs), desc=label, leave=False))
-    start = time.monotonic()
-    run_batch(batch)
-    percentile = lambda q: latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
-    return percentile(0.5), percentile(0.95), batch / (time.monotonic() - start)
-
-
-def bench(naive_runs=10, pool_runs=100, pool_batch=200):
-    cases = [("print(1)", "print(1)"), ("sympy solve", SYMPY_SOLVE)]
-    rows = []
-    with SandboxPool() as pool:
-        print(pool.report, "\n")
-        cpus = pool.workers
-        for name, code in cases:
-            def naive_batch(n):
-                with ThreadPoolExecutor(cpus) as executor:
-                    list(executor.map(_naive_run, [code] * n))
-            naive = _measure(lambda: _naive_run(code), naive_batch, naive_runs, 4 * cpus, f"naive {name}")
-            fast = _measure(lambda: _pool_run(pool, code), lambda n: pool.run_many([code] * n), pool_runs, pool_batch,
-                            f"pool {name}")
-            rows.append((name, naive, fast))
-    print(f"{cpus} workers. Latency: caller's wall time per snippet, one at a time ({naive_runs} naive, "
-          f"{pool_runs} pool runs). Throughput: a batch at once ({4 * cpus} naive over {cpus} threads, "
-          f"{pool_batch} through run_many).\n")
-    print(f"{'snippet':<12} {'method':<6} {'p50 ms':>9} {'p95 ms':>9} {'snippets/s':>11}")
-    for name, naive, fast in rows:
-        for method, (p50, p95, rate) in (("naive", naive), ("pool", fast)):
-            print(f"{name:<12} {method:<6} {p50:9.1f} {p95:9.1f} {rate:11.1f}")
-        ratios = naive[0] / fast[0], naive[1] / fast[1], fast[2] / naive[2]
-        print(f"{name:<12} {'ratio':<6} {ratios[0]:8.1f}x {ratios[1]:8.1f}x {ratios[2]:10.1f}x")
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--selftest", action="store_true", help="check the protections on this machine")
-    group.add_argument("--bench", action="store_true", help="naive `python -c` vs pool latency and throughput")
-    group.add_argument("--serve", metavar="CONFIG", help=argparse.SUPPRESS)  # the helper process (internal)
-    args = parser.parse_args()
-    if args.serve:
-        _serve(json.loads(args.serve))
-    elif args.selftest:
-        sys.exit(selftest())
-    else:
-        bench()
-
-
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--serve"]:  # the helper process a pool starts: it must not import the benchmarks
+        _serve(json.loads(sys.argv[2]))
+    else:
+        from bench.sandbox_bench import main
+        main()

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 
+from files import drop_torn_tail, read_jsonl_rows
 from voting import weighted_vote
 
 KS = (4, 8, 16, 32, 64)
@@ -71,19 +72,8 @@ def read_rows(run_dir: Path) -> list[dict]:
     """The finished questions of a study. A last line cut short by a kill is dropped (and cut from the file),
     so that question is sampled again."""
     path = run_dir / STUDY_FILE
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    rows = []
-    for lineno, line in enumerate(lines, start=1):
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            if lineno < len(lines):
-                raise SystemExit(f"{path}:{lineno}: not a JSON line; fix or delete that line, then run again") from None
-            with open(path, "r+", encoding="utf-8") as fh:
-                fh.truncate(sum(len(s.encode("utf-8")) for s in lines[:-1]))
-    return rows
+    drop_torn_tail(path)
+    return read_jsonl_rows(path)
 
 
 def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: int) -> list[dict]:

@@ -3,7 +3,7 @@
 Test-time RL trains a model on unlabeled test questions. For each question q:
 
     y_1..y_N ~ pi_theta(. | q)                     sample N rollouts                     (sampler.py)
-    a_i = extract(y_i)                             the final answer of each rollout      (verifier.py)
+    a_i = extract(y_i)                             the final answer of each rollout      (answers.py)
     v_i = [ run(program_i) == a_i ]                a verifier LLM writes program_i that
                                                    recomputes the answer; the sandbox runs it (verifier.py, sandbox.py)
     w_i = (1 - v_i) + v_i * omega                  verified rollouts carry omega votes    (voting.py)
@@ -41,6 +41,7 @@ from tqdm import tqdm
 
 import knk
 from answers import answer_key, extract_answer, is_equiv, same_answer
+from files import DataError, append_jsonl, drop_torn_tail, jsonl_objects, keep_jsonl, read_jsonl_rows, write_atomically
 from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from model import ModelLoadError, check_hub, check_spec, load_model
 from sampler import generate
@@ -80,7 +81,7 @@ def domain_of(bench: str) -> Domain:
 class Learner:
     """What a step works with: the policy and its optimiser, the frozen models, the sandbox, the run."""
     cfg: "Config"
-    acc: Accelerator
+    accelerator: Accelerator
     policy: torch.nn.Module              # float32 master weights, prepared by accelerate (DDP over processes)
     tokenizer: object
     optimizer: torch.optim.Optimizer
@@ -112,11 +113,11 @@ def rl_step(step: int, questions: list[dict], learner: Learner) -> dict:
     """One step of test-time RL on a step's questions; returns the step's metrics row. This process samples,
     verifies and votes on its share of the questions (none, at the end of an episode, when processes
     outnumber them: it still takes part in every collective); the update then runs on everyone's rollouts."""
-    cfg, acc, clock, dom = learner.cfg, learner.acc, Stopwatch(), domain_of(learner.cfg.bench)
-    shard = questions[acc.process_index::acc.num_processes]
+    cfg, accelerator, clock, dom = learner.cfg, learner.accelerator, Stopwatch(), domain_of(learner.cfg.bench)
+    shard = questions[accelerator.process_index::accelerator.num_processes]
     with clock("sample"):  # 1. y_1..y_N ~ pi_theta(. | q) and their final answers a_i
-        groups = sample_groups(acc.unwrap_model(learner.policy), learner.tokenizer, shard, cfg, n=cfg.n_votes,
-                               temperature=cfg.temperature, step=step, purpose="rollout")    # [q][N] Completion
+        groups = sample_groups(accelerator.unwrap_model(learner.policy), learner.tokenizer, shard, cfg,
+                               n=cfg.n_votes, temperature=cfg.temperature, step=step, purpose="rollout")  # [q][N] Completion
         answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, groups)]
     with clock("verify"):  # 2. v_i = 1 when the verifier's program, run in the sandbox, reproduces a_i
         verdicts = verify_groups(shard, groups, answers, learner.verifier, learner.pool, cfg)  # [q][N]
@@ -129,14 +130,14 @@ def rl_step(step: int, questions: list[dict], learner: Learner) -> dict:
         keep = random.Random(question_seed(cfg, step, rec["id"], "downsample")).sample(range(cfg.n_votes), cfg.n_train)
         votes.append(Judged(vote, v, sorted(keep)))
     # 6. GRPO on every process's kept rollouts, an optimizer step per Q questions
-    kept = gather_kept(shard, groups, votes, acc)
+    kept = gather_kept(shard, groups, votes, accelerator)
     with clock("update"):
         update = grpo_step(learner.policy, learner.optimizer, learner.scheduler, kept.prompts, kept.completions,
                            kept.rewards, cfg.n_train, mini_batch_groups=cfg.mini_batch_questions or None,
-                           accelerator=acc, ref_model=learner.ref_model, kl_coef=cfg.kl_coef, clip_low=cfg.clip,
-                           clip_high=cfg.clip, agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
+                           accelerator=accelerator, ref_model=learner.ref_model, kl_coef=cfg.kl_coef,
+                           clip_low=cfg.clip, clip_high=cfg.clip, agg=cfg.loss_agg, norm_len=cfg.max_new_tokens,
                            scale_advantages=cfg.scale_advantages, temperature=cfg.temperature,
-                           token_budget=cfg.micro_batch_tokens, bf16=cfg.bf16 and bf16_supported(acc.device),
+                           token_budget=cfg.micro_batch_tokens, bf16=cfg.bf16 and bf16_supported(accelerator.device),
                            gradient_checkpointing=cfg.grad_checkpointing)
     log_rollouts(step, shard, groups, answers, verdicts, votes, learner)
     monitors = [question_monitors(*question, cfg) for question in zip(shard, groups, answers, verdicts, votes)]
@@ -155,38 +156,8 @@ HUB_BENCHES = {
 BENCHES = [*HUB_BENCHES, "demo", "knk"]  # knk: data/knk.jsonl, made by `python knk.py --generate`
 
 
-class DataError(ValueError):
-    """A data file (a benchmark, or a run's JSON-lines) cannot be read; the message names the file, the line and
-    what to do."""
-
-
 class BenchError(DataError):
     """A benchmark could not be found; the message says where and what to do."""
-
-
-def jsonl_objects(path: Path, torn_tail_ok: bool = False):
-    """(line number, object) for each non-blank line of a JSON-lines file; errors name the file and the line.
-    With torn_tail_ok, a last line without its newline that does not parse (what a kill during an append
-    leaves) is dropped with a note instead."""
-    lines = path.read_bytes().split(b"\n")
-    for lineno, raw in enumerate(lines, start=1):
-        try:
-            line = raw.decode("utf-8")
-            if not line.strip():
-                continue
-            obj = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            if torn_tail_ok and lineno == len(lines):
-                print(f"[t3rl] {path}:{lineno}: dropped a half-written last line (left by a kill during a write)",
-                      file=sys.stderr)
-                return
-            if isinstance(err, UnicodeDecodeError):
-                raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} at column {err.start + 1}); "
-                                f"save the file as UTF-8") from None
-            raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg}); fix or delete that line") from None
-        if not isinstance(obj, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
-        yield lineno, obj
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -586,11 +557,11 @@ def is_correct(answer, gold, domain: Domain) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 # Evaluation (ground truth is used here, and only here and in monitoring metrics)
 
-def evaluate(policy, tokenizer, records, cfg: Config, acc, verifier, pool) -> dict:
+def evaluate(policy, tokenizer, records, cfg: Config, accelerator, verifier, pool) -> dict:
     """Greedy pass@1; with k = eval_samples also avg@k, maj@k and, when verifying, the verified-weighted maj@k:
     T3RL's vote used at inference on the same k samples, the equal-budget baseline for training."""
-    shard = records[acc.process_index::acc.num_processes]
-    unwrapped = acc.unwrap_model(policy)
+    shard = records[accelerator.process_index::accelerator.num_processes]
+    unwrapped = accelerator.unwrap_model(policy)
     greedy = sample_groups(unwrapped, tokenizer, shard, cfg, n=1, temperature=0.0, step=-1, purpose="greedy")
     k = cfg.eval_samples
     sampled = sample_groups(unwrapped, tokenizer, shard, cfg, n=k, temperature=cfg.temperature, step=-1,
@@ -674,47 +645,14 @@ def open_run_dir(cfg: Config) -> Path:
     return run_dir
 
 
-def write_atomically(path: Path, text: str):
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
-def read_jsonl_rows(path: Path) -> list[dict]:
-    """The rows of a run's metrics.jsonl or rollouts.jsonl (none when the file is missing)."""
-    return [row for _, row in jsonl_objects(path, torn_tail_ok=True)] if path.is_file() else []
-
-
-def append_jsonl(path: Path, rows: list[dict]):
-    with open(path, "a", encoding="utf-8") as fh:
-        fh.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-
-
-def keep_jsonl(path: Path, keep):
-    """Rewrite a JSONL file with only the rows `keep` accepts (resume drops what came after the checkpoint,
-    and a torn last line with it)."""
-    if path.is_file():
-        write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in read_jsonl_rows(path) if keep(r)))
-
-
-def drop_torn_tail(path: Path):
-    """Rewrite a JSONL file whose last line was cut by a kill during an append, without that line (a file
-    that ends in a newline is left alone)."""
-    if path.is_file() and path.stat().st_size:
-        with open(path, "rb") as fh:
-            fh.seek(-1, os.SEEK_END)
-            if fh.read(1) != b"\n":
-                keep_jsonl(path, lambda row: True)
-
-
-def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, acc):
+def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, accelerator):
     """checkpoint/ = model and tokenizer (save_pretrained, a loadable --model folder) + optimizer, scheduler,
     RNG states and step. Written as checkpoint.tmp/, then swapped in; the one it replaces stays as
     checkpoint.old/, the fallback if the new one is ever found damaged."""
-    if acc.is_main_process:
+    if accelerator.is_main_process:
         tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
         shutil.rmtree(tmp, ignore_errors=True)
-        acc.unwrap_model(policy).save_pretrained(tmp / "model")
+        accelerator.unwrap_model(policy).save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
         torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                     "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}, tmp / "state.pt")
@@ -723,7 +661,7 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
                 shutil.rmtree(old)
             os.replace(final, old)
         os.replace(tmp, final)
-    acc.wait_for_everyone()
+    accelerator.wait_for_everyone()
 
 
 def checkpoint_damage(checkpoint: Path) -> str | None:
@@ -777,12 +715,12 @@ def tracker_names(cfg: Config) -> list[str]:
 
 
 @contextmanager
-def tracking(acc, cfg: Config, run_dir: Path, start: int):
+def tracking(accelerator, cfg: Config, run_dir: Path, start: int):
     """Trackers started with the run's config for the body of the run, finished (flushed, closed) after it. A
     resumed run continues its tracker run: W&B by the run id kept in the run folder, TensorBoard in the same
     folder with what was logged after the checkpoint purged."""
     names = tracker_names(cfg)
-    if acc.is_main_process and names:
+    if accelerator.is_main_process and names:
         init_kwargs = {"tensorboard": {"purge_step": start + 1} if start else {}}
         if {"wandb", "all"} & set(names):
             id_file = run_dir / "wandb_id"
@@ -790,12 +728,12 @@ def tracking(acc, cfg: Config, run_dir: Path, start: int):
                 id_file.write_text(uuid.uuid4().hex[:12])
             init_kwargs["wandb"] = {"name": run_dir.name, "id": id_file.read_text(), "resume": "allow",
                                     "dir": str(run_dir)}
-        acc.init_trackers("t3rl", config=asdict(cfg), init_kwargs=init_kwargs)
+        accelerator.init_trackers("t3rl", config=asdict(cfg), init_kwargs=init_kwargs)
     try:
         yield
     finally:
-        # not acc.end_training(): it also ends the process group, which belongs to the launcher
-        for tracker in acc.trackers:
+        # not accelerator.end_training(): it also ends the process group, which belongs to the launcher
+        for tracker in accelerator.trackers:
             tracker.finish()
 
 
@@ -849,6 +787,15 @@ def check_prompts_fit(records: list[dict], tokenizer, model, cfg: Config):
                             f"here: {fix}remove that question from the benchmark file")
 
 
+def make_optimization(policy, batches: list[list[dict]], cfg: Config):
+    """AdamW on the policy and its cosine schedule over the run's optimizer steps."""
+    optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # the schedule counts optimizer steps: one per mini-batch of questions, so ceil(questions / Q) per step
+    optimizer_steps = sum(-(-len(b) // (cfg.mini_batch_questions or len(b))) for b in batches)
+    scheduler = cosine_schedule(optimizer, total_steps=optimizer_steps, warmup_steps=int(cfg.warmup_ratio * optimizer_steps))
+    return optimizer, scheduler
+
+
 def restore_state(state: dict, optimizer, scheduler) -> int:
     """Optimizer, schedule and RNG states from a checkpoint's state.pt; returns the steps done."""
     optimizer.load_state_dict(state["optimizer"])
@@ -858,69 +805,76 @@ def restore_state(state: dict, optimizer, scheduler) -> int:
     return state["step"]
 
 
+def drop_rows_after(run_dir: Path, start: int):
+    """Rows written after the checkpoint of step `start` are computed again; from step 0 that is all of them."""
+    keep_jsonl(run_dir / "metrics.jsonl",
+               lambda r: start and (r["step"] < start or (r["kind"] == "eval" and r["step"] <= start)))
+    keep_jsonl(run_dir / "rollouts.jsonl", lambda r: r["step"] < start)
+
+
+def run_banner(run_dir: Path, records, batches, accelerator, start: int, *, resume: str) -> str:
+    processes = accelerator.num_processes
+    return (f"run folder {run_dir}; {len(records)} questions, {len(batches)} steps, "
+            f"{processes} process{'es' if processes > 1 else ''} on {accelerator.device.type}"
+            + (f", resuming after step {start}" if start else ", no checkpoint yet: from step 0" if resume else ""))
+
+
 def train(cfg: Config) -> Path:
-    acc = Accelerator(cpu=not _has_gpu(), log_with=tracker_names(cfg) or None, project_dir=run_dir_of(cfg))
+    accelerator = Accelerator(cpu=not _has_gpu(), log_with=tracker_names(cfg) or None, project_dir=run_dir_of(cfg))
     set_seed(cfg.seed)
-    run_dir = open_run_dir(cfg) if acc.is_main_process else run_dir_of(cfg)
-    acc.wait_for_everyone()
+    run_dir = open_run_dir(cfg) if accelerator.is_main_process else run_dir_of(cfg)
+    accelerator.wait_for_everyone()
     records = load_bench(cfg.bench)[:cfg.limit or None]
     batches = question_batches(records, cfg)
     for spec, option in ((cfg.model, "--model"), (cfg.verifier_model, "--verifier-model")):
         check_hub(cfg.model if spec == "self" else spec, option)
-    with acc.main_process_first():  # the main process sets a damaged checkpoint aside before the others look
+    with accelerator.main_process_first():  # the main process sets a damaged checkpoint aside before the others look
         checkpoint, state = load_checkpoint(run_dir) if cfg.resume else (None, None)
 
     policy, tokenizer = load_model(str(checkpoint / "model") if checkpoint else cfg.model)
     check_prompts_fit(records, tokenizer, policy, cfg)
-    verifier = build_verifier(cfg, acc.device)
-    ref_model = load_model(cfg.model)[0].requires_grad_(False).to(acc.device) if cfg.kl_coef > 0 else None
+    verifier = build_verifier(cfg, accelerator.device)
+    ref_model = load_model(cfg.model)[0].requires_grad_(False).to(accelerator.device) if cfg.kl_coef > 0 else None
     policy.train()
-    optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    # the schedule counts optimizer steps: one per mini-batch of questions, so ceil(questions / Q) per step
-    optimizer_steps = sum(-(-len(b) // (cfg.mini_batch_questions or len(b))) for b in batches)
-    scheduler = cosine_schedule(optimizer, total_steps=optimizer_steps, warmup_steps=int(cfg.warmup_ratio * optimizer_steps))
+    optimizer, scheduler = make_optimization(policy, batches, cfg)
     start = restore_state(state, optimizer, scheduler) if state else 0
     # the scheduler stays unprepared: accelerate would step it once per process per step
-    policy, optimizer = acc.prepare(policy, optimizer)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
 
-    if acc.is_main_process:
-        # rows written after the checkpoint are computed again; from step 0 that is all of them
-        keep_jsonl(run_dir / "metrics.jsonl",
-                   lambda r: start and (r["step"] < start or (r["kind"] == "eval" and r["step"] <= start)))
-        keep_jsonl(run_dir / "rollouts.jsonl", lambda r: r["step"] < start)
-        print(f"[t3rl] run folder {run_dir}; {len(records)} questions, {len(batches)} steps, "
-              f"{acc.num_processes} process{'es' if acc.num_processes > 1 else ''} on {acc.device.type}"
-              + (f", resuming after step {start}" if start else ", no checkpoint yet: from step 0" if cfg.resume else ""),
-              file=sys.stderr)
+    if accelerator.is_main_process:
+        drop_rows_after(run_dir, start)
+        print(f"[t3rl] {run_banner(run_dir, records, batches, accelerator, start, resume=cfg.resume)}", file=sys.stderr)
 
     def log(row):
-        if acc.is_main_process:
+        if accelerator.is_main_process:
             append_jsonl(run_dir / "metrics.jsonl", [row])
-            acc.log(tracker_row(row), step=row["step"] + (row["kind"] == "train"))
+            accelerator.log(tracker_row(row), step=row["step"] + (row["kind"] == "train"))
 
-    with SandboxPool(timeout=cfg.sandbox_timeout) as pool, tracking(acc, cfg, run_dir, start):
-        learner = Learner(cfg, acc, policy, tokenizer, optimizer, scheduler, verifier, pool, run_dir, ref_model)
-        if acc.is_main_process:
+    with SandboxPool(timeout=cfg.sandbox_timeout) as pool, tracking(accelerator, cfg, run_dir, start):
+        learner = Learner(cfg=cfg, accelerator=accelerator, policy=policy, tokenizer=tokenizer, optimizer=optimizer,
+                          scheduler=scheduler, verifier=verifier, pool=pool, run_dir=run_dir, ref_model=ref_model)
+        if accelerator.is_main_process:
             print(f"[t3rl] sandbox: {pool.report}", file=sys.stderr)
         if start == 0:
-            before = evaluate(policy, tokenizer, records, cfg, acc, verifier, pool)
+            before = evaluate(policy, tokenizer, records, cfg, accelerator, verifier, pool)
             log({"kind": "eval", "step": 0, **before, **({"final": True} if cfg.eval_only else {})})
-            acc.print(f"eval before training: {format_eval(before)}")
+            accelerator.print(f"eval before training: {format_eval(before)}")
             if cfg.eval_only:
                 return run_dir
         for step in tqdm(range(start, len(batches)), desc="steps", initial=start, total=len(batches),
-                         disable=not acc.is_main_process):
+                         disable=not accelerator.is_main_process):
             row = rl_step(step, batches[step], learner)
             log(row)
-            acc.print(format_step(row, len(batches)))
+            accelerator.print(format_step(row, len(batches)))
             done = step + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < len(batches):
-                log({"kind": "eval", "step": done, **evaluate(policy, tokenizer, records, cfg, acc, verifier, pool)})
+                log({"kind": "eval", "step": done,
+                     **evaluate(policy, tokenizer, records, cfg, accelerator, verifier, pool)})
             if done % cfg.save_every == 0 or done == len(batches):
-                save_checkpoint(run_dir, done, policy, tokenizer, optimizer, scheduler, acc)
-        after = evaluate(policy, tokenizer, records, cfg, acc, verifier, pool)
+                save_checkpoint(run_dir, done, policy, tokenizer, optimizer, scheduler, accelerator)
+        after = evaluate(policy, tokenizer, records, cfg, accelerator, verifier, pool)
         log({"kind": "eval", "step": len(batches), "final": True, **after})
-    if acc.is_main_process:
+    if accelerator.is_main_process:
         print(summary(run_dir))
         plot_run(run_dir)
     return run_dir
@@ -982,10 +936,11 @@ class Rollouts:
     rewards: list[float]
 
 
-def gather_kept(shard, groups, votes, acc) -> Rollouts:
+def gather_kept(shard, groups, votes, accelerator) -> Rollouts:
     """Every process's kept rollouts, in the step's question order: the update, its mini-batches and hence the
     weights do not depend on how the questions were split over processes."""
-    positions = range(acc.process_index, acc.process_index + len(shard) * acc.num_processes, acc.num_processes)
+    rank, processes = accelerator.process_index, accelerator.num_processes
+    positions = range(rank, rank + len(shard) * processes, processes)
     mine = [(position, [(group[i].prompt_ids, group[i].token_ids, vote.rewards[i]) for i in vote.keep])
             for position, group, vote in zip(positions, groups, votes)]
     rollouts = [r for _, kept in sorted(gather_object(mine), key=lambda question: question[0]) for r in kept]
@@ -1002,7 +957,7 @@ def log_rollouts(step, shard, groups, answers, verdicts, votes, learner: Learner
                          "reward": vote.rewards[i], "label": vote.label, "kept": i in vote.keep,
                          "program": getattr(res, "code", None)})
     rows = gather_object(rows)
-    if learner.acc.is_main_process:
+    if learner.accelerator.is_main_process:
         append_jsonl(learner.run_dir / "rollouts.jsonl", rows)
 
 

@@ -48,7 +48,8 @@ from grpo import (
 )
 from sampler import cache_bytes_per_row, generate, nucleus, prefix_plan, sample_next
 from sandbox import SandboxPool, run_snippet
-from answers import EQUIV_CASES, answer_key, extract_answer, is_equiv, same_answer
+from answers import answer_key, extract_answer, is_equiv, same_answer
+from bench.answers_bench import EQUIV_CASES
 from verifier import (
     MAX_ROLLOUT_CHARS,
     VERIFIER_SYSTEM,
@@ -1908,6 +1909,23 @@ def test_help_lists_every_option_with_its_default():
         assert "--" + name.replace("_", "-") in out
     assert "(default: 5.0)" in out and "--replay" in out
 
+
+def test_module_benchmark_commands_reach_their_bench_files():
+    """`python X.py --bench ...` (as README documents them) still parses its options, now in bench/X_*.py: each
+    module run as __main__ in one fresh interpreter prints the help of its benchmark."""
+    commands = {"sampler.py": "--verifier-prompts", "grpo.py": "--configs", "verifier.py": "--rescore",
+                "sandbox.py": "--selftest", "answers.py": "--bench-equiv"}
+    script = ("import contextlib, io, runpy, sys\n"
+              "for path in sys.argv[1:]:\n"
+              "    sys.argv, out = [path, '--help'], io.StringIO()\n"
+              "    with contextlib.redirect_stdout(out), contextlib.suppress(SystemExit):\n"
+              "        runpy.run_path(path, run_name='__main__')\n"
+              "    print(path, repr(out.getvalue()))\n")
+    done = subprocess.run([sys.executable, "-c", script, *commands], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    helps = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert {path: option in helps[path] for path, option in commands.items()} == dict.fromkeys(commands, True)
 
 def test_episodes_pass_over_every_question_in_a_seeded_order():
     cfg = t3rl.Config(episodes=3, questions_per_step=3, max_steps=0)

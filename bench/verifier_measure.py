@@ -1,0 +1,195 @@
+"""Measurement of verifier.py: recall and false-verify rate of the offline verifiers on the same rollouts.
+
+--measure verifies a correct and a wrong short solution to each of 60 MATH-500 problems (levels 1-5;
+`--bench knk`: puzzles, wrong = one person flipped) with each verifier model (default: coder-0.5b, the cpu
+policy verifying itself, and coder-1.5b, the paper's verifier model), prints recall, false-verify rate,
+precision, statuses and costs, and logs every completion; --rescore LOG scores a log's completions again
+without sampling; --demo shows one verification step by step.
+
+    python verifier.py --measure [--bench knk] [--problems 60] [--verifiers coder-0.5b coder-1.5b]
+    python verifier.py --demo
+"""
+import argparse
+import json
+import os
+import re
+import time
+from fractions import Fraction
+
+import torch
+
+import knk
+import verifier
+from answers import _fraction_str, answer_key, extract_answer, same_answer
+from model import load_model
+from verifier import STATUSES_VERIFY, VerifierText, model_verifier, verify_batch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SOLUTION = ("Working through the problem step by step, the computation gives {answer}.\n\n"
+            "The final answer is $\\boxed{{{answer}}}$.")
+DATA_DIR = os.environ.get("T3RL_DATA_DIR", os.path.join(REPO, "..", "shared", "data"))
+MEASURED = ("coder-0.5b", "coder-1.5b")  # self-verification of the cpu policy, and the paper's verifier model
+
+
+def math500_by_level(count, path=os.path.join(DATA_DIR, "math500.jsonl")):
+    """`count` MATH-500 problems spread evenly over levels 1-5 (the first ones of each level in file order)."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: not found; set T3RL_DATA_DIR to the folder holding math500.jsonl")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    per_level = -(-count // 5)
+    return [r for level in range(1, 6) for r in [r for r in rows if int(r["level"]) == level][:per_level]]
+
+
+def wrong_answer(problem, gold):
+    """A plausible wrong answer: gold + 1 when gold is a number; else gold with its last digit changed
+    (\\frac{\\sqrt{3}}{2} -> \\frac{\\sqrt{3}}{3}, same form); else the first number in the problem that is not gold."""
+    try:
+        return _fraction_str(Fraction(answer_key(gold)) + 1)
+    except (ValueError, ZeroDivisionError):
+        pass
+    digits = list(re.finditer(r"\d", gold))
+    if digits:
+        d = digits[-1]
+        bumped = gold[:d.start()] + str((int(d.group()) + 1) % 10) + gold[d.end():]
+        if not same_answer(bumped, gold):
+            return bumped
+    return next((n for n in re.findall(r"\d+", problem) if not same_answer(n, gold)), "0")
+
+
+def offline_verifier(name, max_new_tokens, seed):
+    """A model_verifier around a --model value, loaded in bfloat16 (as the loop loads its verifier)."""
+    model, tokenizer = load_model(name, dtype=torch.bfloat16)
+    return model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+
+
+def verifier_scores(results, kinds):
+    """Recall (verified share of correct answers), false-verify rate (of wrong ones), precision (right share
+    of the verified) and the status counts per kind of answer."""
+    verified = {kind: sum(r.v for r, k in zip(results, kinds) if k == kind) for kind in ("correct", "wrong")}
+    total = {kind: kinds.count(kind) for kind in ("correct", "wrong")}
+    status = {kind: {s: sum(r.status == s for r, k in zip(results, kinds) if k == kind) for s in STATUSES_VERIFY}
+              for kind in ("correct", "wrong")}
+    both = verified["correct"] + verified["wrong"]
+    return dict(recall=verified["correct"] / total["correct"], false_verify=verified["wrong"] / total["wrong"],
+                precision=verified["correct"] / both if both else None, status=status)
+
+
+def knk_puzzles(count, path=knk.KNK_PATH):
+    """The first `count` puzzles of data/knk.jsonl, each with a wrong answer: one person (the k-th, cycling) flipped."""
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()][:count]
+    for k, r in enumerate(rows):
+        world = knk.parse_assignment(r["answer"])
+        flipped = r["names"][k % len(r["names"])]
+        r["wrong"] = knk.canonical(r["names"], {**world, flipped: not world[flipped]})
+    return rows
+
+
+def measure_rollouts(count, bench="math500"):
+    """A correct and a wrong short solution per problem: (problems, rollouts, answers, kinds, levels)."""
+    columns = ([], [], [], [], [])
+    for r in knk_puzzles(count) if bench == "knk" else math500_by_level(count):
+        wrong = r["wrong"] if bench == "knk" else wrong_answer(r["problem"], r["answer"])
+        for kind, answer in (("correct", r["answer"]), ("wrong", wrong)):
+            for column, value in zip(columns, (r["problem"], SOLUTION.format(answer=answer), answer, kind,
+                                               int(r["level"]))):
+                column.append(value)
+    return columns
+
+
+def logged_verifier(log_path, name):
+    """A verifier that replays verifier `name`'s completions from a --measure log, in their order, so new
+    program handling can be scored on the same generations without sampling again."""
+    with open(log_path) as f:
+        rows = [row for row in map(json.loads, f) if row["verifier"] == name]
+    if not rows:
+        raise SystemExit(f"--rescore {log_path}: no completions of verifier {name} in it")
+    replay = lambda messages: [VerifierText(row["completion"], row["tokens"]) for row in rows]  # noqa: E731
+    return replay, sum(row.get("seconds", 0.0) for row in rows) / len(rows)
+
+
+def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500", log_path="runs/verifier-measure.jsonl",
+            rescore=None):
+    """Verify a correct and a wrong short solution per problem with each verifier in `names`, on the same
+    rollouts; print recall, false-verify rate, precision, status counts and costs, and log every program.
+    bench: math500 (levels 1-5, Python programs) or knk (puzzles, SMT-LIB2 scripts for z3). rescore: a log
+    of an earlier run, whose completions are scored again instead of sampling new ones."""
+    problems, rollouts, answers, kinds, levels = measure_rollouts(count, bench)
+    what = "knk puzzles (wrong: one person flipped)" if bench == "knk" else "MATH-500 problems of levels 1-5"
+    print(f"{len(rollouts)} rollouts: {len(rollouts) // 2} {what}, a correct and a wrong answer each; " +
+          (f"completions replayed from {rescore}" if rescore else f"up to {max_new_tokens} verifier tokens, seed {seed}"))
+    rows = []
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    for name in names:
+        verifier, seconds = logged_verifier(rescore, name) if rescore else (
+            offline_verifier(name, max_new_tokens, seed), None)
+        start = time.perf_counter()
+        results = verify_batch(problems, rollouts, answers, verifier, domain="knk" if bench == "knk" else "math")
+        wall = time.perf_counter() - start
+        del verifier
+        by_level = {level: sum(r.v for r, k, lv in zip(results, kinds, levels) if k == "correct" and lv == level) /
+                    sum(k == "correct" and lv == level for k, lv in zip(kinds, levels)) for level in sorted(set(levels))}
+        rows.append((name, verifier_scores(results, kinds), by_level, sum(r.tokens for r in results) / len(results),
+                     seconds if rescore else wall / len(results)))
+        with open(log_path, "a") as f:
+            for i, r in enumerate(results):
+                f.write(json.dumps(dict(verifier=name, kind=kinds[i], level=levels[i], problem=problems[i],
+                                        answer=answers[i], status=r.status, result=r.result, tokens=r.tokens,
+                                        seconds=rows[-1][4], completion=r.completion, output=r.output[-2000:])) + "\n")
+        print(f"{name}: {wall:.0f} s for {len(results)} rollouts", flush=True)
+    print_measure(rows)
+    print(f"\nevery completion, program output and status: {log_path}")
+
+
+def print_measure(rows):
+    """The --measure tables: status counts per verifier and kind of answer, then scores and costs."""
+    shown = [s for s in STATUSES_VERIFY if s != "no_answer"]
+    print(f"\n{'verifier':<12}{'answers':<9}" + "".join(f"{s:>11}" for s in shown))
+    for name, scores, *_ in rows:
+        for kind in ("correct", "wrong"):
+            print(f"{name:<12}{kind:<9}" + "".join(f"{scores['status'][kind][s]:>11}" for s in shown))
+    print(f"\n{'verifier':<12}{'recall':>8}{'false-verify':>14}{'precision':>11}{'tokens/rollout':>16}{'s/rollout':>11}"
+          f"   recall by level " + "-".join(map(str, rows[0][2])))
+    for name, scores, by_level, tokens, seconds in rows:
+        precision = "-" if scores["precision"] is None else f"{scores['precision']:.0%}"
+        print(f"{name:<12}{scores['recall']:>8.0%}{scores['false_verify']:>14.0%}{precision:>11}{tokens:>16.0f}"
+              f"{seconds:>11.1f}   " + " ".join(f"{x:.0%}" for x in by_level.values()))
+
+
+def demo(name, max_new_tokens, seed):
+    """One problem, its rollout, the verifier's program, the sandbox output and the verdict."""
+    record = math500_by_level(5)[0]
+    rollout = SOLUTION.format(answer=record["answer"])
+    result = verify_batch([record["problem"]], [rollout], [extract_answer(rollout)],
+                          offline_verifier(name, max_new_tokens, seed))[0]
+    for title, text in (("problem", record["problem"]), ("rollout", rollout), ("program", result.code or
+                        result.completion), ("sandbox output", result.output)):
+        print(f"--- {title}\n{(text or '').strip()}\n")
+    print(f"--- verdict\nv = {result.v} ({result.status}): tool result {result.result!r}, answer "
+          f"{extract_answer(rollout)!r}; {result.tokens} verifier tokens in {result.seconds:.1f} s")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=verifier.__doc__.split("\n")[0])
+    parser.add_argument("--measure", action="store_true",
+                        help="verify correct and wrong answers to MATH-500 problems with each --verifiers model")
+    parser.add_argument("--demo", action="store_true", help="verify one rollout with the first --verifiers model")
+    parser.add_argument("--verifiers", nargs="+", default=list(MEASURED),
+                        help=f"verifier models, any --model value (default: {' '.join(MEASURED)})")
+    parser.add_argument("--problems", type=int, default=60, help="--measure: number of problems, spread over levels 1-5")
+    parser.add_argument("--bench", choices=["math500", "knk"], default="math500",
+                        help="--measure: MATH-500 (Python programs) or knk puzzles (SMT-LIB2 scripts for z3)")
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="verifier generation limit (default 512)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the verifier (default 0)")
+    parser.add_argument("--rescore", metavar="LOG", help="--measure: score the completions logged by an earlier "
+                        "run again (after a change to program handling) instead of sampling")
+    args = parser.parse_args()
+    if args.measure:
+        measure(args.problems, args.max_new_tokens, args.seed, args.verifiers, bench=args.bench,
+                log_path="runs/verifier-rescore.jsonl" if args.rescore else "runs/verifier-measure.jsonl",
+                rescore=args.rescore)
+    elif args.demo:
+        demo(args.verifiers[0], args.max_new_tokens, args.seed)
+    else:
+        parser.print_help()
