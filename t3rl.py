@@ -59,15 +59,22 @@ class Domain:
     vote together when classes' key matches (cheap) or `same` says so, equiv grades against the gold answer,
     and verify_batch takes the verifier's prompt and tool from the same name."""
     name: str
+    instruction: str  # the policy's system prompt: how to reason and how to write the answer
     extract: object
     classes: dict
     equiv: object
 
 
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# without the form, a small policy boxes one word ("\\boxed{knaves}") or a name and no assignment is read
+KNK_INSTRUCTION = ("Please reason step by step, and put your final answer within \\boxed{}, naming every inhabitant "
+                   "with a role, in the form \\boxed{Name: knight, Name: knave, ...}.")
+
+
 # math answers need no problem to be read (the lambda also looks extract_answer up at call time, as tests patch it)
-DOMAINS = {"math": Domain("math", lambda text, problem: extract_answer(text), dict(key=answer_key, same=same_answer),
+DOMAINS = {"math": Domain("math", MATH_INSTRUCTION, lambda text, problem: extract_answer(text), dict(key=answer_key, same=same_answer),
                           is_equiv),
-           "knk": Domain("knk", knk.extract_answer, dict(key=knk.answer_key, same=knk.same_answer), knk.is_equiv)}
+           "knk": Domain("knk", KNK_INSTRUCTION, knk.extract_answer, dict(key=knk.answer_key, same=knk.same_answer), knk.is_equiv)}
 
 
 def domain_of(bench: str) -> Domain:
@@ -496,15 +503,12 @@ def _has_gpu() -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 # Prompts and answers
 
-INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
-
-
-def policy_prompt(tokenizer, problem: str) -> str:
+def policy_prompt(tokenizer, problem: str, instruction: str = MATH_INSTRUCTION) -> str:
     """The question as the policy sees it: its chat template when it has one (Qwen-Math's prompt otherwise)."""
     if tokenizer.chat_template:
-        messages = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": problem}]
+        messages = [{"role": "system", "content": instruction}, {"role": "user", "content": problem}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Question: {problem}\n{INSTRUCTION}\nAnswer:"
+    return f"Question: {problem}\n{instruction}\nAnswer:"
 
 
 def question_seed(cfg: Config, step: int, qid: str, purpose: str) -> int:
@@ -518,7 +522,8 @@ def sample_groups(policy, tokenizer, records, cfg: Config, n: int, temperature: 
     this step): no completions."""
     if not records:
         return []
-    prompts = [policy_prompt(tokenizer, rec["problem"]) for rec in records]
+    instruction = domain_of(cfg.bench).instruction
+    prompts = [policy_prompt(tokenizer, rec["problem"], instruction) for rec in records]
     seeds = [question_seed(cfg, step, rec["id"], purpose) for rec in records] if temperature > 0 else None
     return generate(policy, tokenizer, prompts, n=n, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
                     top_p=cfg.top_p, seed=seeds, **sampler_options(cfg), progress=purpose)
@@ -779,7 +784,8 @@ def check_prompts_fit(records: list[dict], tokenizer, model, cfg: Config):
     (skipping it silently would change the benchmark)."""
     context = getattr(model.config, "max_position_embeddings", None)
     for rec in records if context else []:
-        n = len(tokenizer(policy_prompt(tokenizer, rec["problem"]), add_special_tokens=False)["input_ids"])
+        prompt = policy_prompt(tokenizer, rec["problem"], domain_of(cfg.bench).instruction)
+        n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         if n + cfg.max_new_tokens > context:
             fix = f"lower --max-new-tokens to {context - n}, or " if n < context else ""
             raise DataError(f"question {rec['id']} of --bench {cfg.bench}: its prompt ({n} tokens) + --max-new-tokens "

@@ -2404,10 +2404,15 @@ def test_knk_training_step_votes_with_solver_verified_rollouts(tiny_dir, tmp_pat
     def encoding_verifier(prompts):
         return [smt_block(reference_smt(next(r for p, r in by_problem.items() if p in prompt))) for prompt in prompts]
 
+    policy_prompts, real_generate = [], t3rl.generate
+    monkeypatch.setattr(t3rl, "generate", lambda model, tok, prompts, **kw: policy_prompts.extend(prompts) or
+                        real_generate(model, tok, prompts, **kw))
     monkeypatch.setitem(t3rl.DOMAINS, "knk", dataclasses.replace(t3rl.DOMAINS["knk"], extract=scripted_answer))
     monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device: encoding_verifier)
     monkeypatch.delenv("T3RL_DATA_DIR", raising=False)  # data/knk.jsonl, the committed set
     run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path, bench="knk", limit=2, max_steps=1, eval_samples=0)))
+    # the policy is asked for the assignment's form (else a small model boxes one word), in training and eval
+    assert policy_prompts and all(t3rl.KNK_INSTRUCTION in p and t3rl.MATH_INSTRUCTION not in p for p in policy_prompts)
     rollouts = rows(run, "rollouts.jsonl")
     assert len(rollouts) == 2 * 4 and {r["id"] for r in rollouts} == {"knk-000", "knk-001"}
     golds = {r["id"]: r["answer"] for r in KNK}

@@ -386,8 +386,25 @@ that Oliver is a knave and Ethan is a knight -> (assert (= Zoey (and (not Oliver
 is (=> P Q); "P if and only if Q" is (= P Q); "or" is (or P Q).
 4. Never assert who is a knight or a knave as a fact (no (assert Zoey), no (assert (not Oliver))): the \
 solver must derive it from the statements.
-5. Answer with exactly one code block in the form ```smt2\\nSCRIPT\\n```, ending with (check-sat) and \
-(get-model)."""
+5. Answer with exactly one code block, fenced as smt2 like the example, that ends with (check-sat) and \
+(get-model), and nothing after it.
+
+Example. Puzzle: You meet 3 inhabitants: Zoey, Oliver, and Ethan. Zoey says that Ethan is a knight or Oliver \
+is a knave. Oliver claims that Ethan is a knight or Zoey is a knave. Ethan states that Oliver is a knight and \
+Zoey is a knave.
+```smt2
+(declare-const Zoey Bool)
+(declare-const Oliver Bool)
+(declare-const Ethan Bool)
+; Zoey says that Ethan is a knight or Oliver is a knave
+(assert (= Zoey (or Ethan (not Oliver))))
+; Oliver claims that Ethan is a knight or Zoey is a knave
+(assert (= Oliver (or Ethan (not Zoey))))
+; Ethan states that Oliver is a knight and Zoey is a knave
+(assert (= Ethan (and Oliver (not Zoey))))
+(check-sat)
+(get-model)
+```"""
 
 KNK_USER = """Puzzle:
 {problem}
