@@ -21,7 +21,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 import sampler
-from model import load_model
+from model import load_model, offline_model
 from sampler import generate, head_dim_of, model_weights, prefix_plan
 from verifier import VERIFIER_SYSTEM, verifier_prompt
 
@@ -39,9 +39,10 @@ BENCH_PROMPT = ("<|im_start|>system\nPlease reason step by step, and put your fi
 
 
 def bench_model(spec: str, device: str):
-    """(float32 model, tokenizer or None): 'embedded', 'qwen2.5-1.5b' (random weights) or a config.json path."""
-    if spec == "embedded":
-        model, tokenizer = load_model("embedded")
+    """(float32 model, tokenizer or None): an offline model ('embedded', 'coder-1.5b', ...), 'qwen2.5-1.5b' (random
+    weights) or a config.json path."""
+    if offline_model(spec):
+        model, tokenizer = load_model(spec)
         return model.to(device), tokenizer
     config = Qwen2Config(**QWEN25_1_5B) if spec == "qwen2.5-1.5b" else AutoConfig.from_pretrained(spec)
     torch.manual_seed(0)
@@ -254,7 +255,7 @@ def main():
                                                  "verifier's prompts.")
     parser.add_argument("--bench", action="store_true", required=True)
     parser.add_argument("--model-config", default="embedded",
-                        help="'embedded' (default), 'qwen2.5-1.5b' (random weights) or a config.json path")
+                        help="an offline model: 'embedded' (default), 'coder-1.5b'; 'qwen2.5-1.5b' (random weights) or a config.json path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--n", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
