@@ -2365,6 +2365,17 @@ def test_knk_script_asserting_the_candidate_is_caught(knk_pool):
     assert results[1].result == "asserts Michael"
 
 
+def test_knk_closing_parentheses_that_close_nothing_are_dropped_before_the_solver(knk_pool):
+    """A small verifier's typical slip, `(assert (= Zoey (not Oliver))))`, made z3 refuse the whole script;
+    the closers at depth 0 go (a comment's parentheses stay), and the encoding is solved as written."""
+    right, wrong = KNK_4["answer"], flip_one(KNK_4["answer"], 1)
+    sloppy = "; who says what (each line closes once too often)\n" + reference_smt(KNK_4).replace(")))\n", "))))\n")
+    assert sloppy.count(")") > reference_smt(KNK_4).count(")") + 1
+    results = verify_knk([smt_block(sloppy)] * 2, [right, wrong], knk_pool)
+    assert [(r.v, r.status) for r in results] == [(1, "verified"), (0, "mismatch")], [r.output for r in results]
+    assert verifier.extract_smt(smt_block(sloppy)).startswith("; who says what (each line closes once too often)")
+
+
 def test_knk_non_unique_unsat_and_broken_scripts_do_not_verify(knk_pool):
     answer = KNK_4["answer"]
     broken = reference_smt(KNK_4).replace("(assert", "(assert (", 1)

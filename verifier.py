@@ -383,7 +383,9 @@ reasoning only as a hint for how to read the statements.
 (declare-const Zoey Bool).
 3. For every statement assert that the speaker is a knight exactly when the statement is true: Zoey says \
 that Oliver is a knave and Ethan is a knight -> (assert (= Zoey (and (not Oliver) Ethan))). "if P then Q" \
-is (=> P Q); "P if and only if Q" is (= P Q); "or" is (or P Q).
+is (=> P Q); "P if and only if Q" is (= P Q); "or" is (or P Q). A claim about a person is that person's \
+constant: "Oliver is a knight" and "Oliver is not a knave" are Oliver; "Oliver is a knave" and "Oliver is not a \
+knight" are (not Oliver).
 4. Never assert who is a knight or a knave as a fact (no (assert Zoey), no (assert (not Oliver))): the \
 solver must derive it from the statements.
 5. Answer with exactly one code block, fenced as smt2 like the example, that ends with (check-sat) and \
@@ -418,8 +420,33 @@ _FENCE_SMT = re.compile(r"```[ \t]*(?:smt2?|smt-?lib2?|lisp|scheme|z3)\b[^\n]*\n
 
 
 def extract_smt(text):
-    """The first ```smt2 (smt, smtlib, lisp, z3) block of a verifier completion, else its first fenced block."""
-    return _first_block(text, (_FENCE_SMT, _FENCE_ANY))
+    """The first ```smt2 (smt, smtlib, lisp, z3) block of a verifier completion, else its first fenced block,
+    without the closing parentheses that close nothing."""
+    script = _first_block(text, (_FENCE_SMT, _FENCE_ANY))
+    return None if script is None else drop_unmatched_parens(script)
+
+
+def drop_unmatched_parens(script):
+    """The script without each `)` that closes nothing. Small verifiers miscount the parentheses at the end of
+    an assert (`(assert (= Zoey (not Oliver))))`), and z3 then refuses the whole script; a closer at depth 0
+    is outside every expression, so dropping it changes no command (comments and |quoted| symbols are skipped)."""
+    kept, depth, i = [], 0, 0
+    while i < len(script):
+        c = script[i]
+        skip_to = {";": "\n", "|": "|", '"': '"'}.get(c)
+        if skip_to:
+            end = script.find(skip_to, i + 1)
+            end = len(script) if end < 0 else end + 1
+            kept.append(script[i:end])
+            i = end
+            continue
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth < 0:
+            depth = 0
+        else:
+            kept.append(c)
+        i += 1
+    return "".join(kept)
 
 
 def smt_solve(script):
