@@ -421,6 +421,8 @@ def new_config(given: dict) -> Config:
         bench = given.get("bench", cfg.bench)
         cfg.episodes = PAPER_EPISODES.get(bench, cfg.episodes)
         cfg.eval_samples = 16 if bench == "aime2024" else 4
+    if given.get("study"):
+        cfg.verify_budget = 0  # a study verifies every rollout; the cpu preset's budget only saves training time
     for key, value in given.items():
         setattr(cfg, key, value)
     cfg.preset = preset

@@ -2734,6 +2734,17 @@ def study_argv(tiny_dir, out_dir, **extra):
     return tiny_argv(tiny_dir, out_dir, **{"study": True, "n_votes": 8, "max_new_tokens": 6, **extra})
 
 
+def test_a_study_on_the_cpu_preset_verifies_every_rollout(tmp_path):
+    """The cpu preset verifies one rollout per answer class to save training time; `python t3rl.py --study`
+    on it must still verify all (it refused to start), and an explicit --verify-budget is still refused."""
+    assert t3rl.parse_config(["--preset", "cpu", "--out-dir", str(tmp_path)]).verify_budget == 1
+    cfg = t3rl.parse_config(["--preset", "cpu", "--study", "--out-dir", str(tmp_path)])
+    assert cfg.study and cfg.verify_budget == 0
+    explicit = t3rl.parse_config(["--preset", "cpu", "--study", "--verify-budget", "1", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--verify-budget"):
+        t3rl.study(explicit)
+
+
 def test_study_replay_reproduces_the_table_without_a_model(tiny_dir, tmp_path, monkeypatch, patched, capsys):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
