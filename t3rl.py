@@ -996,14 +996,15 @@ def step_metrics(step, per_question, update, seconds) -> dict:
                 "ground_truth_ratio", "verified_ratio", "flipped", "flip_fixed", "flip_broke", "pass@N"):
         row[key] = mean([q[key] for q in per_question])
     verified = sum(q["verified"] for q in per_question)
+    statuses = [s for q in per_question for s in q["statuses"]]  # empty when no rollout went to the verifier
+    row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
     # the verifier against the hidden gold answers (reporting only): precision = right share of the verified,
-    # recall = verified share of the right rollouts
+    # recall = verified share of the right rollouts; neither exists where nothing was verified (--no-verify)
     row["verified_rollouts"], row["correct_rollouts"] = verified, sum(q["correct"] for q in per_question)
     row["verified_correct"] = sum(q["verified_correct"] for q in per_question)
     row["verifier_precision"] = row["verified_correct"] / verified if verified else None
-    row["verifier_recall"] = row["verified_correct"] / row["correct_rollouts"] if row["correct_rollouts"] else None
-    statuses = [s for q in per_question for s in q["statuses"]]
-    row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
+    row["verifier_recall"] = (row["verified_correct"] / row["correct_rollouts"]
+                              if statuses and row["correct_rollouts"] else None)
     lengths = [n for q in per_question for n in q["response_tokens"]]
     row["response_length"] = mean(lengths)
     row["policy_tokens"] = sum(lengths)
@@ -1051,7 +1052,8 @@ def summary(run_dir: Path) -> str:
         lines.append(f"{'label acc. T3RL (weighted)':<28}{mean('label_accuracy'):>10.3f}")
         lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
         lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
-        total = lambda key: sum(r.get(key, 0) for r in train_rows)  # noqa: E731
+        verifying = [r for r in train_rows if r.get("status")]  # steps whose rollouts went to the verifier
+        total = lambda key: sum(r.get(key, 0) for r in verifying)  # noqa: E731
         for name, hits, of in (("verifier precision", "verified_correct", "verified_rollouts"),
                                ("verifier recall", "verified_correct", "correct_rollouts")):
             lines.append(f"{name:<28}" + (f"{total(hits) / total(of):>10.3f}" if total(of) else f"{'-':>10}"))

@@ -2015,6 +2015,19 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
     assert f"verifier recall{pooled['both'] / pooled['right']:>23.3f}" in table
 
 
+def test_a_run_without_the_verifier_reports_no_verifier_precision_or_recall(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", [(p, g) for (p, _), g in zip(QUESTIONS, ["0", "1", "2", "2"])])
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, verify=False)))
+    train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
+    assert sum(m["correct_rollouts"] for m in train_rows) > 0  # a recall of 0 / that would be defined, and wrong
+    for m in train_rows:
+        assert m["status"] == {} and m["verifier_precision"] is None and m["verifier_recall"] is None
+        assert " prec - rec - |" in t3rl.format_step(m, 2)
+    table = t3rl.summary(run)
+    assert f"verifier precision{'-':>20}" in table and f"verifier recall{'-':>23}" in table
+
+
 @contextmanager
 def interrupted_at_update(monkeypatch, update: int):
     """Ctrl-C in the middle of the update-th GRPO update of whatever runs in the block."""
