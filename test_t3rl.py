@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
 import knk
@@ -1009,6 +1009,25 @@ def test_kv_matches_hf_greedy_on_tiny_model(tokenizer, tied):
     hf = generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=16, temperature=0, backend="hf")
     kv = generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=16, temperature=0, backend="kv")
     assert token_rows(kv) == token_rows(hf)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_kv_matches_hf_greedy_on_a_tiny_llama(bias):
+    """Llama: no projection biases (or, with attention_bias, biases on q, k, v and o), unlike Qwen2's q, k, v."""
+    config = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=bias, bos_token_id=0,
+                         eos_token_id=47, pad_token_id=0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # weights of unit-scale outputs and random biases (zeros at init): tokens that vary
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, p.shape[1] ** -0.5)
+            elif name.endswith("bias"):
+                p.normal_()
+    options = dict(n=1, max_new_tokens=12, temperature=0, ignore_eos=True)
+    hf = generate(model, None, SMALL_PROMPTS, backend="hf", **options)
+    assert token_rows(generate(model, None, SMALL_PROMPTS, backend="kv", **options)) == token_rows(hf)
 
 
 def test_kv_matches_hf_greedy_on_embedded_model(embedded_model):
@@ -2804,3 +2823,4 @@ def test_killed_study_resumes_at_the_next_unfinished_question(tiny_dir, tmp_path
     resumed = t3rl.study(t3rl.parse_config(["--resume", str(run)]))
     assert sampled == ["q2", "q3"]
     assert rows(resumed, "study.jsonl") == rows(straight, "study.jsonl")
+

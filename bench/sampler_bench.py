@@ -98,8 +98,7 @@ def matmul_seconds(model, rows, dtype, device) -> float:
     """One decode step's matrix products alone (every layer's projections and the head) on `rows` rows with
     the model's weights, at their best: what a step would cost if nothing else took any time."""
     w = model_weights(model, dtype)
-    linears = [lin for layer in w.layers for lin in (layer.q, layer.k, layer.v, layer.o, layer.gate, layer.up,
-                                                       layer.down)] + [(w.head, None)]
+    linears = [lin for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [(w.head, None)]
     inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=dtype, device=device) for weight, _ in linears}
     return 1 / _rate(lambda: [F.linear(inputs[weight.shape[1]], weight, bias) for weight, bias in linears], device, 1.0)
 
