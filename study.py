@@ -19,21 +19,24 @@ and at what token cost? Measured on the same samples, without training.
 
 A study folder holds config.json, study.jsonl (one line per question: gold, level, every rollout's answer,
 verdict, status, tool result, token counts, text and program), table.txt and study.png. A killed study resumes
-at the next unfinished question; `--replay` recomputes the table and the PNG from study.jsonl, loading no model:
+at the next unfinished question; a finished one grows with a larger --n-votes or --limit on --resume (the
+rollouts it has stay the first ones); `--replay` recomputes the table and the PNG from study.jsonl, loading no
+model:
 
     python t3rl.py --study --bench math500 --limit 150 --n-votes 64     # sample + verify, then report
+    python t3rl.py --resume runs/math500-study-20261130-170000 --n-votes 128 --limit 300   # grow it
     python t3rl.py --replay runs/math500-study-20261130-170000          # report again, no model
 """
+import itertools
 import json
 import math
-import os
 import random
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from files import drop_torn_tail, read_jsonl_rows
+from files import append_jsonl, drop_torn_tail, read_jsonl_rows, write_atomically
 from voting import weighted_vote
 
 KS = (4, 8, 16, 32, 64)
@@ -76,24 +79,40 @@ def read_rows(run_dir: Path) -> list[dict]:
     return read_jsonl_rows(path)
 
 
-def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: int) -> list[dict]:
-    """Sample and verify every question not yet in study.jsonl, `batch_size` questions per call of
-    sample_and_verify(records) -> (groups, answers, verdicts); each batch's lines are appended when it is done."""
-    done = {row["id"] for row in read_rows(run_dir)}
-    todo = [rec for rec in records if rec["id"] not in done]
-    if done:
-        print(f"[study] {len(done)} of {len(records)} questions already done in {run_dir}; resuming", file=sys.stderr)
-    for start in range(0, len(todo), batch_size):
-        batch = todo[start:start + batch_size]
-        groups, answers, verdicts = sample_and_verify(batch)
-        lines = [json.dumps(question_row(*args), ensure_ascii=False) + "\n"
-                 for args in zip(batch, groups, answers, verdicts)]
-        with open(run_dir / STUDY_FILE, "a", encoding="utf-8") as fh:
-            fh.write("".join(lines))
-            fh.flush()
-            os.fsync(fh.fileno())
-        print(f"[study] {len(done) + start + len(batch)}/{len(records)} questions sampled and verified",
-              file=sys.stderr)
+ROLLOUT_FIELDS = ("answers", "v", "status", "result", "policy_tokens", "verifier_tokens", "text", "program")
+
+
+def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: int, k_max: int) -> list[dict]:
+    """Sample and verify what study.jsonl lacks: k_max rollouts for each question not in it, and rollouts
+    have .. k_max - 1 for a question saved with only `have` (a study grown with a larger --n-votes), so the
+    first `have` stay as they were and every k is still a nested subset. sample_and_verify(records, first, n)
+    -> (groups, answers, verdicts) gives n rollouts, numbered from `first`, per record; `batch_size` questions
+    per call. New questions' lines are appended, grown ones replace the file (atomically), batch by batch."""
+    path = run_dir / STUDY_FILE
+    saved = {row["id"]: row for row in read_rows(run_dir)}  # in file order
+
+    def have(rec):
+        return len(saved[rec["id"]]["answers"]) if rec["id"] in saved else 0
+
+    todo = [(have(rec), rec) for rec in records if have(rec) < k_max]  # (rollouts it has, question)
+    if saved:
+        print(f"[study] {len(records) - len(todo)} of {len(records)} questions already have {k_max} rollouts in "
+              f"{run_dir}; resuming", file=sys.stderr)
+    for first, same_start in itertools.groupby(todo, key=lambda item: item[0]):
+        same_start = [rec for _, rec in same_start]
+        for start in range(0, len(same_start), batch_size):
+            batch = same_start[start:start + batch_size]
+            groups, answers, verdicts = sample_and_verify(batch, first, k_max - first)
+            rows = [question_row(*args) for args in zip(batch, groups, answers, verdicts)]
+            if first == 0:
+                append_jsonl(path, rows)
+            for row in rows:
+                old = saved.get(row["id"])
+                saved[row["id"]] = row if old is None else {**old, **{f: old[f] + row[f] for f in ROLLOUT_FIELDS}}
+            if first:
+                write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in saved.values()))
+            print(f"[study] {sum(have(rec) == k_max for rec in records)}/{len(records)} questions sampled and "
+                  f"verified", file=sys.stderr)
     return read_rows(run_dir)
 
 

@@ -447,9 +447,11 @@ def resumed_config(given: dict) -> Config:
     except (ValueError, TypeError) as err:
         raise OptionError(f"{path}: damaged ({err}); restore it from a copy, or start a new run") from None
     changed = {k: v for k, v in given.items() if k not in ("resume", "preset") and v != getattr(cfg, k)}
-    refused = [f"{flag(k)} {v} (the run has {getattr(cfg, k)})" for k, v in changed.items() if k not in RESUMABLE_CHANGES]
+    refused = [f"{flag(k)} {v} (the run has {getattr(cfg, k)})" for k, v in changed.items()
+               if k not in RESUMABLE_CHANGES and not (cfg.study and grows_study(k, getattr(cfg, k), v))]
     if refused:
-        raise OptionError(f"--resume {run_dir}: {'; '.join(refused)}; a resumed run keeps its config.json: drop "
+        raise OptionError(f"--resume {run_dir}: {'; '.join(refused)}; a resumed run keeps its config.json "
+                          f"(a study may only grow: a larger --n-votes or --limit): drop "
                           f"{'these options' if len(refused) > 1 else 'that option'}, or start a new run with them")
     for key, value in changed.items():
         print(f"[t3rl] --resume: {flag(key)} {getattr(cfg, key)} -> {value}", file=sys.stderr)
@@ -457,6 +459,14 @@ def resumed_config(given: dict) -> Config:
     cfg.resume = str(run_dir)
     check_config(cfg, source=f"{path}: ")
     return cfg
+
+
+def grows_study(key: str, saved, given) -> bool:
+    """A study resumed with more rollouts per question or more questions (--limit 0: all) keeps what it has
+    and adds the rest: its k are nested subsets and --limit's stratified order extends the same list."""
+    if key == "n_votes":
+        return isinstance(given, int) and given > saved
+    return key == "limit" and saved != 0 and isinstance(given, int) and (given == 0 or given > saved)
 
 
 def check_value(name: str, value):
@@ -900,7 +910,7 @@ def study(cfg: Config) -> Path:
     changed = sorted(key for key, value in asdict(cfg).items() if key in before and before[key] != value)
     if changed:
         raise SystemExit(f"{run_dir} holds a study with other {', '.join(changed)}: pass --resume {run_dir} to "
-                         f"continue it, or another --run-name")
+                         f"continue it (a larger --n-votes or --limit beside it grows it), or another --run-name")
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps({**asdict(cfg), "resume": ""}, indent=2))
     records = stratified(load_bench(cfg.bench), cfg.limit, cfg.seed)
@@ -911,14 +921,16 @@ def study(cfg: Config) -> Path:
     weights = (policy, tokenizer) if cfg.verifier_model == "self" else load_model(cfg.verifier_model,
                                                                                   dtype=sample_dtype(cfg))
     with SandboxPool() as pool:
-        def sample_and_verify(batch):
-            groups = sample_groups(policy, tokenizer, batch, cfg, cfg.n_votes, cfg.temperature, -1, "study")
+        def sample_and_verify(batch, first: int, n: int):
+            # rollouts from `first` on (a grown study) get seeds of their own: new draws, not the first ones again
+            grown = f"+{first}" if first else ""
+            groups = sample_groups(policy, tokenizer, batch, cfg, n, cfg.temperature, -1, "study" + grown)
             answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(batch, groups)]
             # the verifier is seeded per batch, so a resumed study draws the programs an uninterrupted one would
-            seeded = replace(cfg, seed=question_seed(cfg, -1, batch[0]["id"], "verify"))
+            seeded = replace(cfg, seed=question_seed(cfg, -1, batch[0]["id"], "verify" + grown))
             verifier = build_verifier(seeded, device, loaded=weights)
             return groups, answers, verify_groups(batch, groups, answers, verifier, pool, cfg)
-        collect(records, run_dir, sample_and_verify, cfg.questions_per_step)
+        collect(records, run_dir, sample_and_verify, cfg.questions_per_step, cfg.n_votes)
     print(report(run_dir, dom.classes, dom.equiv))
     return run_dir
 

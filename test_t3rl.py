@@ -2824,3 +2824,38 @@ def test_killed_study_resumes_at_the_next_unfinished_question(tiny_dir, tmp_path
     assert sampled == ["q2", "q3"]
     assert rows(resumed, "study.jsonl") == rows(straight, "study.jsonl")
 
+
+def test_a_study_grows_to_more_votes_keeping_its_first_rollouts(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.study(t3rl.parse_config(study_argv(tiny_dir, tmp_path, n_votes=4)))
+    before = rows(run, "study.jsonl")
+    with pytest.raises(t3rl.OptionError, match="--n-votes 2 .the run has 4"):
+        t3rl.parse_config(["--resume", str(run), "--n-votes", "2"])  # a study may grow, never shrink
+    real_verify, verified = t3rl.verify_groups, []
+
+    def counting(records, groups, *args):
+        verified.append([len(group) for group in groups])
+        return real_verify(records, groups, *args)
+    monkeypatch.setattr(t3rl, "verify_groups", counting)
+    t3rl.study(t3rl.parse_config(["--resume", str(run), "--n-votes", "8"]))
+    after = rows(run, "study.jsonl")
+    assert verified == [[4, 4], [4, 4]]  # only the 4 new rollouts of each question were sampled and verified
+    assert [r["id"] for r in after] == [r["id"] for r in before]
+    for old, new in zip(before, after):
+        assert all(len(new[f]) == 8 and new[f][:4] == old[f] for f in study.ROLLOUT_FIELDS)
+        assert new["text"][4:] != old["text"]  # new draws, not the first four again
+    assert json.loads((run / "config.json").read_text())["n_votes"] == 8
+    assert "8 w=inf" in (run / "table.txt").read_text()
+
+
+def test_a_study_grows_to_more_questions_keeping_the_ones_it_has(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.study(t3rl.parse_config(study_argv(tiny_dir, tmp_path, limit=2)))
+    before = rows(run, "study.jsonl")
+    with pytest.raises(t3rl.OptionError, match="--limit 1 .the run has 2"):
+        t3rl.parse_config(["--resume", str(run), "--limit", "1"])
+    t3rl.study(t3rl.parse_config(["--resume", str(run), "--limit", "0"]))  # 0: every question
+    after = rows(run, "study.jsonl")
+    assert [r["id"] for r in after] == ["q0", "q1", "q2", "q3"] and after[:2] == before
