@@ -30,8 +30,13 @@ Design of "kv":
     positions it has in the whole prompt. Sorted prompts give these sources (prefix_plan); the prompts whose
     sources are ready run together, their own tokens right-padded into one batched forward per
     PREFILL_TOKENS, so prefill runs at matrix speed rather than one prompt at a time.
-  - Decode attends from the first column any live row's prompt starts at: the padding that every row
-    skips is not read.
+  - Decode on a CPU attends over the whole cache, masked: a window of its columns is a strided view, which
+    the CPU's batched matrix product copies whole, every layer and step, at more cost than the masked columns
+    (README). On CUDA it reads the window from the first column a live row's prompt starts at to the current
+    one (compiled: the whole cache, so every step has the same shapes and nothing recompiles).
+  - Matrix products on the weights: q, k and v are one product on their stacked weights, and so are gate and
+    up. On a CPU in bfloat16 each weight is reordered once per call into oneDNN's blocked layout, which
+    F.linear would redo at every product: decode's products run 1.4-3x faster, on the same numbers.
   - Finished rows leave the batch: when an eighth of the batch has produced its end-of-sequence token, the
     live rows are copied to the front of the cache and the batch shrinks, so they stop costing compute.
   - The step's float32 logits and their probabilities live in two (rows, vocab) buffers allocated with the
@@ -51,8 +56,7 @@ Design of "kv":
     (seed, p). Tokens are identical only where the forward pass is too: bfloat16 on CPUs (oneDNN) gives a
     row the same logits whatever the batch; float32 on MKL does not (its GEMM rounds differently for 1, 2-3
     and >= 4 rows, and attention sums in an order that shifts with the left padding); GPUs promise neither.
-  - compile=True runs the decode step through torch.compile (CUDA graphs on GPU); it then attends over the
-    whole cache, masked, so every step has the same shapes and nothing recompiles. Meant for GPUs: on a
+  - compile=True runs the decode step through torch.compile (CUDA graphs on GPU). Meant for GPUs: on a
     2-core CPU it measured slower than eager (README).
   - dtype: by default "kv" computes in the model's own dtype on its own weights (no copy). dtype=bfloat16 on
     a float32 model casts the weights once per call (the loop keeps float32 master weights; bfloat16
@@ -258,15 +262,37 @@ def kv_unsupported_reason(model) -> str | None:
 
 
 @dataclass
+class Linear:
+    """x W^T + b. `packed`, on a CPU in bfloat16: W reordered once into oneDNN's blocked layout, which
+    F.linear redoes on every call; the product on it gives the same numbers, 1.4-3x faster at decode's few rows."""
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    packed: torch.Tensor | None = None
+
+    def __call__(self, x):
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        # 2-D in: oneDNN runs a (rows, 1, hidden) decode input several times slower than its (rows, hidden) view
+        out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, x.shape[-1]), self.packed, self.bias, "none", [], "")
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def cpu_packing_available(dtype, device) -> bool:
+    # oneDNN's weight packing is internal to PyTorch (inductor's CPU linears use it), hence the guard
+    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+@dataclass
 class Layer:
-    """One block's tensors. q, k, v are one (weight, bias) stacked along the output and so are gate and up: one
+    """One block's tensors. q, k, v are one Linear stacked along the output and so are gate and up: one
     matrix product over the block's input instead of three (two), the same numbers at fewer, larger calls."""
     input_norm: torch.Tensor
-    qkv: tuple      # (weight, bias or None) as F.linear takes them: rows of q, then k, then v
-    o: tuple
+    qkv: Linear      # rows of q, then k, then v
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: tuple  # rows of gate, then up
-    down: tuple
+    gate_up: Linear  # rows of gate, then up
+    down: Linear
 
 
 @dataclass
@@ -274,7 +300,7 @@ class Weights:
     embed: torch.Tensor
     layers: list[Layer]
     norm: torch.Tensor
-    head: torch.Tensor
+    head: Linear
     eps: float
     n_heads: int
     n_kv_heads: int
@@ -288,11 +314,12 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def model_weights(model, dtype: torch.dtype) -> Weights:
+def model_weights(model, dtype: torch.dtype, pack: bool = True) -> Weights:
     """The model's tensors in `dtype`: the parameters themselves when the dtype matches, else one cast copy each.
-    The stacked projections (Layer) are new tensors, stacked on every call: a training policy's weights change
-    between calls."""
+    Stacked and packed weights (Linear) are new tensors, made on every call: a training policy's weights change
+    between calls. pack=False: no oneDNN packing (the plain F.linear path, for comparison)."""
     cast = {}
+    pack = pack and cpu_packing_available(dtype, next(model.parameters()).device)
 
     def get(t):
         if t is None:
@@ -302,20 +329,18 @@ def model_weights(model, dtype: torch.dtype) -> Weights:
         return cast[id(t)]
 
     def linear(*modules):
-        if len(modules) == 1:
-            return get(modules[0].weight), get(modules[0].bias)
-        weight = torch.cat([get(m.weight) for m in modules])
-        biases = [get(m.bias) for m in modules]
+        weight = get(modules[0].weight) if len(modules) == 1 else torch.cat([get(m.weight) for m in modules])
+        biases = [get(getattr(m, "bias", None)) for m in modules]
         bias = None if all(b is None for b in biases) else torch.cat(
             [torch.zeros(len(m.weight), dtype=dtype, device=weight.device) if b is None else b
              for m, b in zip(modules, biases)])
-        return weight, bias
+        return Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight) if pack else None)
 
     config, body = model.config, model.model
     layers = [Layer(get(b.input_layernorm.weight), linear(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj),
                     linear(b.self_attn.o_proj), get(b.post_attention_layernorm.weight),
                     linear(b.mlp.gate_proj, b.mlp.up_proj), linear(b.mlp.down_proj)) for b in body.layers]
-    return Weights(get(body.embed_tokens.weight), layers, get(body.norm.weight), get(model.lm_head.weight),
+    return Weights(get(body.embed_tokens.weight), layers, get(body.norm.weight), linear(model.lm_head),
                    config.rms_norm_eps, config.num_attention_heads, config.num_key_value_heads, head_dim_of(config),
                    body.rotary_emb.inv_freq.float(), float(body.rotary_emb.attention_scaling))
 
@@ -393,19 +418,19 @@ def forward(w: Weights, tokens, positions, columns, cache: KVCache, mask, rotary
     x = F.embedding(tokens, w.embed)
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
-        q, k, v = F.linear(h, *layer.qkv).split([w.n_heads * w.head_dim, kv_width, kv_width], dim=-1)
+        q, k, v = layer.qkv(h).split([w.n_heads * w.head_dim, kv_width, kv_width], dim=-1)
         q = q.reshape(rows, T, w.n_heads, w.head_dim).transpose(1, 2)
         k = k.reshape(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
         v = v.reshape(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
         cache.k[i].index_copy_(2, columns, rotate(k, cos, sin))
         cache.v[i].index_copy_(2, columns, v)
         attn = attention(rotate(q, cos, sin), cache.k[i, :, :, :width], cache.v[i, :, :, :width], mask)
-        x = x + F.linear(attn.transpose(1, 2).reshape(rows, T, -1), *layer.o)
+        x = x + layer.o(attn.transpose(1, 2).reshape(rows, T, -1))
         h = rms_norm(x, layer.post_norm, w.eps)
-        gate, up = F.linear(h, *layer.gate_up).chunk(2, dim=-1)
-        x = x + F.linear(F.silu(gate) * up, *layer.down)
+        gate, up = layer.gate_up(h).chunk(2, dim=-1)
+        x = x + layer.down(F.silu(gate) * up)
     x = x[:, -1] if last is None else x[torch.arange(rows, device=x.device), last]
-    return F.linear(rms_norm(x, w.norm, w.eps), w.head)
+    return w.head(rms_norm(x, w.norm, w.eps))
 
 
 @functools.cache
@@ -487,7 +512,8 @@ def _generate_kv(model, prompt_ids, n, sampling: Sampling, *, prompt_seeds, eos_
         raise ValueError(f"memory_budget={budget} bytes holds no row of {length} tokens ({per_row} bytes); "
                          f"raise memory_budget or lower max_new_tokens")
     w = model_weights(model, dtype)
-    run = Run(w, rotary_tables(w, length, dtype), compiled_forward(device.type) if compile else forward, compile,
+    run = Run(w, rotary_tables(w, length, dtype), compiled_forward(device.type) if compile else forward,
+              device.type == "cuda" and not compile,
               torch.tensor(eos_ids, dtype=torch.long, device=device), dtype, device)
     n_rows = len(prompt_ids) * n  # row r samples for prompt r // n
     rows = []
@@ -520,7 +546,7 @@ class Run:
     w: Weights
     rotary: tuple        # (cos, sin), each (length, head dim)
     step: object         # forward, or its compiled twin
-    compile: bool        # the step attends over the whole cache (fixed shapes)
+    windowed: bool       # decode attends over a window of the cache columns, not all of them (eager CUDA)
     eos: torch.Tensor    # end-of-sequence ids (empty: EOS ignored)
     dtype: torch.dtype   # compute dtype
     device: torch.device
@@ -653,7 +679,7 @@ def _decode_wave(run: Run, prompts, sampling: Sampling, uniforms, *, progress=No
     n_rows, steps = len(prompts), sampling.max_new_tokens
     width = max(map(len, prompts))  # prompts end at column `width`; completion token j sits in column width + j
     cache = KVCache.zeros(run.w, n_rows, width + steps, run.dtype, run.device)
-    logits = torch.empty(n_rows, len(run.w.head), dtype=torch.float32, device=run.device)  # the step's logits
+    logits = torch.empty(n_rows, len(run.w.head.weight), dtype=torch.float32, device=run.device)  # the step's logits
     probs = torch.empty_like(logits)                                                      # their probabilities
     prefill(run, cache, prompts, width, logits)
     start = width - torch.tensor([len(p) for p in prompts], device=run.device)
@@ -709,11 +735,10 @@ def _finish_rows(cache: KVCache, batch: Batch, tokens, eos, *, step: int, ends, 
 
 def decode_one_token(run: Run, cache: KVCache, batch: Batch, tokens, column: int):
     """Logits (rows, vocab) of the token after `tokens` (rows,), whose keys and values go into cache column
-    `column`. Attention reads the columns from the batch's first prompt column to `column`: the padding
-    before it, which no row attends to, is skipped. Compiled, it reads the whole cache instead, so every
-    step has the same shapes and nothing recompiles."""
-    lo = 0 if run.compile else batch.first_column
-    seen = torch.arange(lo, cache.k.shape[3] if run.compile else column + 1, device=run.device)
+    `column`. Attention reads the whole cache, masked, or with run.windowed only the columns from the batch's
+    first prompt column to `column` (the padding before it, which no row attends to, is skipped)."""
+    lo, hi = (batch.first_column, column + 1) if run.windowed else (0, cache.k.shape[3])
+    seen = torch.arange(lo, hi, device=run.device)
     mask = ((seen >= batch.start[:, None]) & (seen <= column))[:, None, None, :]  # (rows, 1, 1, columns seen)
     at = torch.tensor([column - lo], device=run.device)
     return run.step(run.w, tokens[:, None], (column - batch.start)[:, None], at, cache.window(len(batch.rows), lo),

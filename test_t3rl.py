@@ -32,6 +32,7 @@ from transformers.generation.logits_process import TopPLogitsWarper
 
 import knk
 import model as model_lib
+import sampler
 import study
 import t3rl
 import verifier
@@ -1086,6 +1087,22 @@ def test_nucleus_keeps_the_same_tokens_as_transformers():
         ours = torch.zeros_like(logits, dtype=torch.bool).scatter(1, top_ids, top_probs > 0)
         theirs = TopPLogitsWarper(top_p)(None, logits.clone()).isfinite()
         assert torch.equal(ours, theirs), f"top_p={top_p}"
+
+
+def test_packed_cpu_weights_sample_what_plain_products_sample(monkeypatch):
+    """bfloat16 on a CPU: the weights are packed for oneDNN once per call; the tokens and their log-probs are
+    those of F.linear on the plain weights."""
+    model = small_vocab_model().to(torch.bfloat16)
+    w = sampler.model_weights(model, torch.bfloat16)
+    assert all(lin.packed is not None for lin in (w.layers[0].qkv, w.layers[0].o, w.layers[0].gate_up,
+                                                  w.layers[0].down, w.head))
+    options = dict(n=3, max_new_tokens=12, seed=0, ignore_eos=True)
+    packed = generate(model, None, SMALL_PROMPTS, **options)
+    monkeypatch.setattr(sampler, "cpu_packing_available", lambda dtype, device: False)
+    assert sampler.model_weights(model, torch.bfloat16).head.packed is None
+    plain = generate(model, None, SMALL_PROMPTS, **options)
+    assert token_rows(packed) == token_rows(plain)
+    assert [[c.logprob for c in g] for g in packed] == [[c.logprob for c in g] for g in plain]
 
 
 def test_greedy_sampling_takes_the_argmax():

@@ -16,7 +16,6 @@ import types
 from copy import deepcopy
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
@@ -98,9 +97,9 @@ def matmul_seconds(model, rows, dtype, device) -> float:
     """One decode step's matrix products alone (every layer's projections and the head) on `rows` rows with
     the model's weights, at their best: what a step would cost if nothing else took any time."""
     w = model_weights(model, dtype)
-    linears = [lin for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [(w.head, None)]
-    inputs = {weight.shape[1]: torch.randn(rows, weight.shape[1], dtype=dtype, device=device) for weight, _ in linears}
-    return 1 / _rate(lambda: [F.linear(inputs[weight.shape[1]], weight, bias) for weight, bias in linears], device, 1.0)
+    linears = [lin for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [w.head]
+    inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], dtype=dtype, device=device) for lin in linears}
+    return 1 / _rate(lambda: [lin(inputs[lin.weight.shape[1]]) for lin in linears], device, 1.0)
 
 
 def bench(spec, device, ns, max_new_tokens, compile, dtypes):
@@ -223,9 +222,10 @@ def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, base
         results[label] = (prefill_s, total_s, [g[0].token_ids for g in out])
     (old_label, old), (new_label, new) = results.items()
     same_tokens = old[2] == new[2]
-    generated = sum(map(len, new[2]))
-    print(f"{max_new_tokens} new tokens at most, {generated} generated ({generated / len(prompts):.0f} per rollout); "
-          f"same tokens on both paths: {same_tokens}")
+    generated = {label: sum(map(len, tokens)) for label, (_, _, tokens) in results.items()}
+    print(f"{max_new_tokens} new tokens at most; generated: " + ", ".join(
+        f"{label} {n} ({n / len(prompts):.0f} per rollout)" for label, n in generated.items())
+        + f"; same tokens on both paths: {same_tokens}")
     print(f"{'path':<16} {'':>4} {'prefill s':>9} {'prompt tok/s':>12} {'x matmul rate':>13} {'total s':>8} "
           f"{'s/rollout':>9}")
     for label, (prefill_s, total_s, _) in results.items():
@@ -234,7 +234,9 @@ def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, base
             print(f"{label:<16} {clock:>4} {prefill_s[i]:>9.1f} {total / prefill_s[i]:>12.0f} "
                   f"{prefill_flop(model, ran) / prefill_s[i] / matmul_rate:>13.2f} {total_s[i]:>8.1f} "
                   f"{total_s[i] / len(prompts):>9.2f}")
+    per_token = generated[new_label] / generated[old_label]  # seeded bfloat16 paths part after a while
     print("new / old: " + ", ".join(f"{clock} prefill {new[0][i] / old[0][i]:.2f}, total {new[1][i] / old[1][i]:.2f}"
+                                    f" (per generated token {new[1][i] / old[1][i] / per_token:.2f})"
                                     for clock, i in (("wall", 0), ("cpu", 1))))
     print("x matmul rate: the prefill's matrix products on the tokens each path runs, per second, over the rate of "
           "one large matmul; cpu: this process's CPU seconds (with one thread, what a shared machine's wall clock "
