@@ -3,6 +3,7 @@
     with replacing(dest) as tmp:     write a file or a folder at tmp; it becomes dest when the block ends
     write_atomically(path, text)     the same for one text file
     append_jsonl(path, rows)         one JSON object per line, appended
+    write_jsonl(path, rows)          a JSON-lines file replaced atomically
     read_jsonl_rows(path)            the rows back, a last line cut short by a kill dropped with a note
     drop_torn_tail(path)             rewrite a JSON-lines file without such a last line, before appending to it
 
@@ -84,11 +85,16 @@ def append_jsonl(path: Path, rows: list[dict]):
         fh.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
+def write_jsonl(path: Path, rows):
+    """Replace a JSONL file with `rows`, atomically."""
+    write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
 def keep_jsonl(path: Path, keep):
     """Rewrite a JSONL file with only the rows `keep` accepts (resume drops what came after the checkpoint,
     and a torn last line with it)."""
     if path.is_file():
-        write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in read_jsonl_rows(path) if keep(r)))
+        write_jsonl(path, [r for r in read_jsonl_rows(path) if keep(r)])
 
 
 def drop_torn_tail(path: Path):

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from files import append_jsonl, drop_torn_tail, read_jsonl_rows, write_atomically
+from files import append_jsonl, drop_torn_tail, read_jsonl_rows, write_jsonl
 from voting import weighted_vote
 
 KS = (4, 8, 16, 32, 64)
@@ -110,7 +110,7 @@ def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: i
                 old = saved.get(row["id"])
                 saved[row["id"]] = row if old is None else {**old, **{f: old[f] + row[f] for f in ROLLOUT_FIELDS}}
             if first:
-                write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in saved.values()))
+                write_jsonl(path, saved.values())
             print(f"[study] {sum(have(rec) == k_max for rec in records)}/{len(records)} questions sampled and "
                   f"verified", file=sys.stderr)
     return read_rows(run_dir)

@@ -2842,11 +2842,16 @@ def test_killed_study_resumes_at_the_next_unfinished_question(tiny_dir, tmp_path
     assert rows(resumed, "study.jsonl") == rows(straight, "study.jsonl")
 
 
-def test_a_study_grows_to_more_votes_keeping_its_first_rollouts(tiny_dir, tmp_path, monkeypatch, patched):
+def finished_study(tiny_dir, tmp_path, monkeypatch, **options):
+    """A study of the four QUESTIONS run to its end: its folder and its study.jsonl rows."""
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.study(t3rl.parse_config(study_argv(tiny_dir, tmp_path, n_votes=4)))
-    before = rows(run, "study.jsonl")
+    run = t3rl.study(t3rl.parse_config(study_argv(tiny_dir, tmp_path, **options)))
+    return run, rows(run, "study.jsonl")
+
+
+def test_a_study_grows_to_more_votes_keeping_its_first_rollouts(tiny_dir, tmp_path, monkeypatch, patched):
+    run, before = finished_study(tiny_dir, tmp_path, monkeypatch, n_votes=4)
     with pytest.raises(t3rl.OptionError, match="--n-votes 2 .the run has 4"):
         t3rl.parse_config(["--resume", str(run), "--n-votes", "2"])  # a study may grow, never shrink
     real_verify, verified = t3rl.verify_groups, []
@@ -2867,10 +2872,7 @@ def test_a_study_grows_to_more_votes_keeping_its_first_rollouts(tiny_dir, tmp_pa
 
 
 def test_a_study_grows_to_more_questions_keeping_the_ones_it_has(tiny_dir, tmp_path, monkeypatch, patched):
-    write_bench(tmp_path / "data", QUESTIONS)
-    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.study(t3rl.parse_config(study_argv(tiny_dir, tmp_path, limit=2)))
-    before = rows(run, "study.jsonl")
+    run, before = finished_study(tiny_dir, tmp_path, monkeypatch, limit=2)
     with pytest.raises(t3rl.OptionError, match="--limit 1 .the run has 2"):
         t3rl.parse_config(["--resume", str(run), "--limit", "1"])
     t3rl.study(t3rl.parse_config(["--resume", str(run), "--limit", "0"]))  # 0: every question
