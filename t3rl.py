@@ -300,6 +300,8 @@ class Config:
     omega: float = option(5.0, "vote weight of a verified rollout: 1 = TTRL, inf = hard filtering (several values "
                           "with --replay)", Range(1, high_open=False))
     verify_budget: int = option(0, "verify at most K rollouts per answer class, the rest inherit (0 = verify all)", COUNT)
+    lazy_verify: bool = option(False, "verify only the rollouts whose verdicts can still change the pseudo-label: the "
+                               "labels and rewards of verifying all, at fewer verifier calls (two per step)")
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
     sandbox_timeout: float = option(5.0, "seconds each verifier program may run", POSITIVE)
@@ -335,7 +337,8 @@ PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 PRESETS = {
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
     "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=3, max_steps=4,
-                max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lr=2e-6, eval_samples=0, save_every=3,
+                max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
+                eval_samples=0, save_every=3,
                 micro_batch_tokens=4096, mini_batch_questions=2),
     "none": {},
 }
@@ -422,7 +425,8 @@ def new_config(given: dict) -> Config:
         cfg.episodes = PAPER_EPISODES.get(bench, cfg.episodes)
         cfg.eval_samples = 16 if bench == "aime2024" else 4
     if given.get("study"):
-        cfg.verify_budget = 0  # a study verifies every rollout; the cpu preset's budget only saves training time
+        # a study verifies every rollout; the cpu preset's budget and laziness only save training time
+        cfg.verify_budget, cfg.lazy_verify = 0, False
     for key, value in given.items():
         setattr(cfg, key, value)
     cfg.preset = preset
@@ -555,14 +559,15 @@ def sample_dtype(cfg: Config):
 
 
 def verify_groups(records, groups, answers, verifier, pool, cfg: Config):
-    """v_i for every rollout of every question, through one batched verifier call and one sandbox batch."""
+    """v_i for every rollout of every question, through one batched verifier call and one sandbox batch (two of
+    each with --lazy-verify)."""
     if not cfg.verify:
         return [[None] * len(group) for group in groups]
     problems = [rec["problem"] for rec, group in zip(records, groups) for _ in group]
     texts = [c.text for group in groups for c in group]
     flat = [a for group in answers for a in group]
     results = verify_batch(problems, texts, flat, verifier, sandbox=pool, budget=cfg.verify_budget,
-                           domain=domain_of(cfg.bench).name)
+                           domain=domain_of(cfg.bench).name, omega=cfg.omega if cfg.lazy_verify else None)
     it = iter(results)
     return [[next(it) for _ in group] for group in groups]
 
@@ -901,8 +906,8 @@ def train(cfg: Config) -> Path:
 def study(cfg: Config) -> Path:
     """--study: k_max = n_votes rollouts per question, sampled and verified once, saved, then study.py's report.
     Each question has its own sampling seed, so a resumed study samples what an uninterrupted one would."""
-    if not cfg.verify or cfg.verify_budget:
-        raise SystemExit("--study verifies every rollout: drop --no-verify and --verify-budget")
+    if not cfg.verify or cfg.verify_budget or cfg.lazy_verify:
+        raise SystemExit("--study verifies every rollout: drop --no-verify, --verify-budget and --lazy-verify")
     run_dir = Path(cfg.resume) if cfg.resume else Path(cfg.out_dir) / (
         cfg.run_name or f"{cfg.bench}-study-{time.strftime('%Y%m%d-%H%M%S')}")
     saved = run_dir / "config.json"
@@ -992,9 +997,11 @@ def question_monitors(rec, group, answers, verdicts, vote: Judged, cfg: Config) 
     stats["verified"] = sum(vote.v)
     stats["verified_correct"] = sum(vi and ci for vi, ci in zip(vote.v, correct))
     stats["correct"] = sum(correct)
+    # recall's denominator: the right rollouts that got a verdict (a skipped one was never asked)
+    stats["correct_judged"] = sum(ci for ci, res in zip(correct, verdicts) if getattr(res, "status", None) != "skipped")
     stats["statuses"] = [res.status for res in results]
     stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
-    stats["verifier_calls_saved"] = sum(bool(getattr(res, "inferred", False)) for res in results)
+    stats["verifier_calls_saved"] = sum(getattr(res, "inferred", False) or res.status == "skipped" for res in results)
     stats["response_tokens"] = [c.num_tokens for c in group]
     return stats
 
@@ -1011,12 +1018,13 @@ def step_metrics(step, per_question, update, seconds) -> dict:
     statuses = [s for q in per_question for s in q["statuses"]]  # empty when no rollout went to the verifier
     row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
     # the verifier against the hidden gold answers (reporting only): precision = right share of the verified,
-    # recall = verified share of the right rollouts; neither exists where nothing was verified (--no-verify)
+    # recall = verified share of the right rollouts it judged; neither exists where nothing was verified (--no-verify)
     row["verified_rollouts"], row["correct_rollouts"] = verified, sum(q["correct"] for q in per_question)
+    row["correct_judged_rollouts"] = sum(q["correct_judged"] for q in per_question)
     row["verified_correct"] = sum(q["verified_correct"] for q in per_question)
     row["verifier_precision"] = row["verified_correct"] / verified if verified else None
-    row["verifier_recall"] = (row["verified_correct"] / row["correct_rollouts"]
-                              if statuses and row["correct_rollouts"] else None)
+    row["verifier_recall"] = (row["verified_correct"] / row["correct_judged_rollouts"]
+                              if statuses and row["correct_judged_rollouts"] else None)
     lengths = [n for q in per_question for n in q["response_tokens"]]
     row["response_length"] = mean(lengths)
     row["policy_tokens"] = sum(lengths)
@@ -1065,10 +1073,11 @@ def summary(run_dir: Path) -> str:
         lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
         lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
         verifying = [r for r in train_rows if r.get("status")]  # steps whose rollouts went to the verifier
-        total = lambda key: sum(r.get(key, 0) for r in verifying)  # noqa: E731
-        for name, hits, of in (("verifier precision", "verified_correct", "verified_rollouts"),
-                               ("verifier recall", "verified_correct", "correct_rollouts")):
-            lines.append(f"{name:<28}" + (f"{total(hits) / total(of):>10.3f}" if total(of) else f"{'-':>10}"))
+        hits, verified = sum(r["verified_correct"] for r in verifying), sum(r["verified_rollouts"] for r in verifying)
+        # a run logged before --lazy-verify existed judged every right rollout
+        judged = sum(r.get("correct_judged_rollouts", r["correct_rollouts"]) for r in verifying)
+        for name, of in (("verifier precision", verified), ("verifier recall", judged)):
+            lines.append(f"{name:<28}" + (f"{hits / of:>10.3f}" if of else f"{'-':>10}"))
         lines.append(f"{'flips (fixed / broke)':<28}{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
                      f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
                      f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")
@@ -1117,6 +1126,11 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
     groups = {}
     for r in read_jsonl_rows(run_dir / "rollouts.jsonl"):
         groups.setdefault((r["step"], r["id"]), []).append(r)
+    unsettled = [omega for omega in omegas if omega not in (1.0, cfg["omega"])]
+    if unsettled and any(r["status"] == "skipped" for rows in groups.values() for r in rows):
+        raise RunDirError(f"--replay {run_dir} --omega {' '.join(f'{o:g}' for o in unsettled)}: the run verified "
+                          f"lazily (--lazy-verify), so its verdicts settle the vote at omega {cfg['omega']:g} (and 1) "
+                          f"only; replay those, or train with --no-lazy-verify for the ablation")
     lines = [f"omega ablation replayed on {len(groups)} rollout groups of {run_dir}",
              f"{'omega':>7}{'label acc':>11}{'reward acc':>12}{'flips':>7}{'fixed':>7}{'broke':>7}"]
     for omega in omegas:

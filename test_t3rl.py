@@ -63,7 +63,7 @@ from verifier import (
     verifier_prompt,
     verify_batch,
 )
-from voting import answer_classes, group_metrics, weighted_vote
+from voting import answer_classes, group_metrics, undecided_classes, weighted_vote
 
 # =================================================================================================================
 # foundation: model loading and benchmarks
@@ -470,6 +470,57 @@ def test_assignment_matches_classes_and_rewards():
     vote = weighted_vote(answers, [1, 0, 0, 1, 0, 0], 5.0)
     assert [c.members for c in vote.classes] == [[0, 3], [1, 4, 5]]
     assert vote.assignment == [0, 1, None, 0, 1, 1] and vote.rewards() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
+
+
+def every_outcome(verified):
+    """Each way the unverified rollouts (None) could turn out: complete 0/1 lists."""
+    unknown = [i for i, v in enumerate(verified) if v is None]
+    for bits in itertools.product((0, 1), repeat=len(unknown)):
+        filled = list(verified)
+        for i, bit in zip(unknown, bits):
+            filled[i] = bit
+        yield filled
+
+
+OMEGAS = (1.0, 2.0, 5.0, math.inf)
+
+
+def test_the_vote_is_undecided_exactly_when_unverified_rollouts_can_change_its_label():
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 7)
+        answers = [None if rng.random() < 0.15 else rng.choice("abc") for _ in range(n)]
+        verified = [rng.choice((0, 1, None)) for _ in range(n)]
+        for omega in OMEGAS:
+            labels = {weighted_vote(answers, v, omega).label for v in every_outcome(verified)}
+            assert (undecided_classes(answers, verified, omega) == []) == (len(labels) == 1), (answers, verified, omega)
+
+
+def test_verifying_the_undecided_classes_in_two_rounds_gives_the_label_and_rewards_of_verifying_all():
+    rng = random.Random(1)
+    asked = everyone = 0
+    for _ in range(300):
+        n = rng.randint(1, 8)
+        answers = [None if rng.random() < 0.15 else rng.choice("abcd") for _ in range(n)]
+        truth = [rng.randint(0, 1) for _ in range(n)]
+        for omega in OMEGAS:
+            known = [None] * n
+            for first_round in (True, False):  # the likeliest winner first, then every class that can beat it
+                undecided = undecided_classes(answers, known, omega)
+                for members in undecided[:1] if first_round else undecided:
+                    for i in members:
+                        known[i] = truth[i]
+            assert undecided_classes(answers, known, omega) == []
+            lazy = weighted_vote(answers, [0 if v is None else v for v in known], omega)
+            full = weighted_vote(answers, truth, omega)
+            assert (lazy.label, lazy.rewards()) == (full.label, full.rewards())
+            asked += sum(v is not None for v in known)
+            everyone += sum(a is not None for a in answers)
+    assert asked < 0.8 * everyone
+
+
+def test_plain_majority_needs_no_verdict():
+    assert undecided_classes(["1", "2", "2"], [None] * 3, omega=1.0) == []
 
 
 def test_bad_group_is_refused():
@@ -1725,6 +1776,33 @@ def test_budget_keeps_problems_apart(verify_pool):
     assert [r.inferred for r in results] == [False, True, False]
 
 
+def test_lazy_verification_stops_once_the_majority_is_verified(verify_pool):
+    answers = ["55", "55", "55", "55", "54", "56"]  # 55 verified scores 20, the others 5 at most
+    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"))
+    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, sandbox=verify_pool, budget=1, omega=5.0)
+    assert [len(batch) for batch in verifier.batches] == [1]
+    assert [r.status for r in results] == ["verified"] * 4 + ["skipped"] * 2 and [r.v for r in results] == [1] * 4 + [0, 0]
+
+
+def test_lazy_verification_asks_the_classes_that_can_still_win_in_a_second_call(verify_pool):
+    answers = ["55", "55", "55", "55", "54", "56"]  # 55 fails (4): 54 or 56 verified (5) would beat it
+    verifier = ScriptedVerifier(*[block("print(6 * 9)")] * 3)
+    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, sandbox=verify_pool, budget=1, omega=5.0)
+    assert [len(batch) for batch in verifier.batches] == [1, 2]
+    assert [r.status for r in results] == ["mismatch"] * 4 + ["verified", "mismatch"]
+    assert weighted_vote(answers, [r.v for r in results], 5.0).label == "54"
+
+
+def test_lazy_verification_of_several_problems_makes_two_verifier_calls(verify_pool):
+    other = "What is 5 times 11?"
+    problems = [PROBLEM] * 4 + [other] * 4
+    answers = ["55", "55", "54", "53"] * 2  # per problem: 55 fails, so 54 and 53 can still win
+    verifier = ScriptedVerifier(*[block("print(0)")] * 8)
+    results = verify_batch(problems, [ROLLOUT] * 8, answers, verifier, sandbox=verify_pool, omega=5.0)
+    assert [len(batch) for batch in verifier.batches] == [4, 4]
+    assert all(r.status == "mismatch" for r in results)
+
+
 # -------------------------------------------------------------------------------------------- code and guard
 
 def test_code_is_the_first_python_block():
@@ -2003,6 +2081,26 @@ def test_ground_truth_never_reaches_rewards_or_parameters(tiny_dir, tmp_path, mo
     assert rows(runs[0], "metrics.jsonl")[1]["ground_truth_ratio"] != rows(runs[1], "metrics.jsonl")[1]["ground_truth_ratio"]
 
 
+def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    asked = {}
+    runs = {}
+    for lazy in (False, True):
+        def counting(prompts, lazy=lazy):
+            asked[lazy] = asked.get(lazy, 0) + len(prompts)
+            return scripted_verifier(prompts)
+        monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: counting)
+        argv = tiny_argv(tiny_dir, tmp_path / f"lazy-{lazy}", n_votes=6, max_steps=2, verify_budget=0, lazy_verify=lazy)
+        runs[lazy] = t3rl.train(t3rl.parse_config(argv))
+    full, lazy = (rows(runs[k], "rollouts.jsonl") for k in (False, True))
+    assert [(r["label"], r["reward"], r["kept"]) for r in full] == [(r["label"], r["reward"], r["kept"]) for r in lazy]
+    assert 0 < sum(r["reward"] for r in full) < len(full)
+    assert "skipped" in {r["status"] for r in lazy} and asked[True] < asked[False]
+    weights = [final_weights(runs[k]) for k in (False, True)]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+
+
 def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
@@ -2021,8 +2119,8 @@ def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tm
     assert {"label_accuracy", "majority_label_accuracy", "verified_ratio", "status", "grpo/loss"} <= set(metrics[1])
     rollouts = rows(run, "rollouts.jsonl")
     assert len(rollouts) == 2 * 2 * 4 and sum(r["kept"] for r in rollouts) == 2 * 2 * 2
-    assert {r["status"] for r in rollouts} <= {"verified", "mismatch"}
-    assert all((r["status"] == "verified") == (r["answer"] == "2") for r in rollouts)
+    assert {r["status"] for r in rollouts} <= {"verified", "mismatch", "skipped"}  # the preset verifies lazily
+    assert all((r["status"] == "verified") == (r["answer"] == "2") for r in rollouts if r["status"] != "skipped")
     assert (run / "checkpoint" / "state.pt").is_file() and (run / "curves.png").stat().st_size > 1000
 
 
@@ -2108,7 +2206,7 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
 def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, patched, capsys):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lazy_verify=False)))
     capsys.readouterr()
     monkeypatch.setattr(t3rl, "load_model", lambda *a, **k: pytest.fail("replay loaded a model"))
     tables = []
@@ -2120,6 +2218,16 @@ def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, pat
     assert "4 rollout groups" in table[0] and [line.split()[0] for line in table[2:]] == ["1", "5", "inf"]
     assert table[2].split()[3] == "0"  # omega = 1 is the majority vote itself: no flips
     assert not (run.parent / "runs").exists() and sorted(p.name for p in run.parent.iterdir()) == ["run"]
+
+
+def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2)))
+    assert "skipped" in {r["status"] for r in rows(run, "rollouts.jsonl")}
+    assert [line.split()[0] for line in t3rl.replay(run, [1.0, 5.0]).splitlines()[2:]] == ["1", "5"]
+    with pytest.raises(t3rl.RunDirError, match=r"--omega 2 inf: the run verified lazily"):
+        t3rl.replay(run, [1.0, 2.0, math.inf])
 
 
 def tensorboard_scalars(folder: Path) -> dict:
@@ -2784,11 +2892,13 @@ def study_argv(tiny_dir, out_dir, **extra):
 
 
 def test_a_study_on_the_cpu_preset_verifies_every_rollout(tmp_path):
-    """The cpu preset verifies one rollout per answer class to save training time; `python t3rl.py --study`
-    on it must still verify all (it refused to start), and an explicit --verify-budget is still refused."""
-    assert t3rl.parse_config(["--preset", "cpu", "--out-dir", str(tmp_path)]).verify_budget == 1
+    """The cpu preset verifies one rollout per answer class, and only the classes that can change the vote, to
+    save training time; `python t3rl.py --study` on it must still verify all (it refused to start), and an
+    explicit --verify-budget is still refused."""
+    cpu = t3rl.parse_config(["--preset", "cpu", "--out-dir", str(tmp_path)])
+    assert (cpu.verify_budget, cpu.lazy_verify) == (1, True)
     cfg = t3rl.parse_config(["--preset", "cpu", "--study", "--out-dir", str(tmp_path)])
-    assert cfg.study and cfg.verify_budget == 0
+    assert cfg.study and (cfg.verify_budget, cfg.lazy_verify) == (0, False)
     explicit = t3rl.parse_config(["--preset", "cpu", "--study", "--verify-budget", "1", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="--verify-budget"):
         t3rl.study(explicit)

@@ -18,6 +18,7 @@ gets one status:
     mismatch    ran, printed something else      no_code     the completion holds no code block
     exec_error  raised, or hit a memory/output   timeout     ran past the sandbox's time limit
                 limit, or was killed             hardcoded   the printed value is the candidate copied in
+    skipped     not verified: no verdict of it could change the vote (verify_batch(..., omega=))
 
 "hardcoded" is the weak-verifier failure the paper shows (Figure 11): a program that copies the
 trace's answer into print(1320) verifies anything. hardcoded(code, problem, answer) decides it on the AST
@@ -25,8 +26,8 @@ with a small taint analysis: a literal worth the candidate answer that the probl
 (1320, '1320', Fraction(3, 4)) flows into the last print(...), through int(), Fraction(), sympy.Integer(),
 arithmetic, indexing, variables or the program's own functions.
 
-verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=python_tool, budget=0) runs a
-whole training step at once: one call of `verifier` (any callable, list of user messages -> list of
+verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=python_tool, budget=0, omega=None) runs a
+whole training step at once: one call of `verifier` (two with omega, below; any callable, list of user messages -> list of
 completions; model_verifier wraps a model in one batched sampler.generate call) and one call of `tool`
 (python_tool: one sandbox run_many). A rollout's reasoning enters the prompt cut to its last
 MAX_ROLLOUT_CHARS = 4000 characters (the end holds the answer; ~1.2k tokens), so a prompt stays bounded
@@ -37,7 +38,9 @@ above, "knk" (Knights and Knaves, knk.py) where the verifier writes an SMT-LIB2 
 sandbox, and v_i = 1 when the solver's assignment is the only one and equals the rollout's; a script whose
 assertions fix someone's role as a bare fact is "hardcoded".
 budget K > 0 verifies only the first K rollouts of each answer class of a problem; the others inherit
-the majority outcome of those K (a tie counts as unverified) and are marked inferred. Costs per rollout:
+the majority outcome of those K (a tie counts as unverified) and are marked inferred. omega (the vote's)
+verifies only the classes whose verdicts can still change the weighted vote (voting.undecided_classes), in
+two verifier calls, so the label and rewards are those of verifying everything at fewer verifier calls. Costs per rollout:
 verifier tokens (VerifierText.num_tokens) and seconds (the batch's wall time split evenly over the
 rollouts sent), and the program's run time.
 
@@ -58,7 +61,7 @@ from fractions import Fraction
 import knk
 from answers import answer_key, computed_float_equiv, is_equiv, same_answer
 from sandbox import default_pool
-from voting import answer_classes
+from voting import answer_classes, undecided_classes
 
 # ----------------------------------------------------------------------------------------------------
 # Tool verification: v_i = 1[the verifier's program runs cleanly and prints a_i]
@@ -99,7 +102,7 @@ Candidate solution (it may be wrong):
 Write the Python program that computes the answer to the problem."""
 
 MAX_ROLLOUT_CHARS = 4000  # the end of a rollout holds its answer: longer ones keep their last 4000 characters
-STATUSES_VERIFY = ("verified", "mismatch", "no_answer", "no_code", "exec_error", "timeout", "hardcoded")
+STATUSES_VERIFY = ("verified", "mismatch", "no_answer", "no_code", "exec_error", "timeout", "hardcoded", "skipped")
 
 _FENCE_PYTHON = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _FENCE_ANY = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
@@ -544,10 +547,13 @@ class Domain:
     extract: object    # completion -> the script, or None (no_code)
     tool: object       # (scripts, sandbox) -> one ToolRun per script
     agrees: object     # (tool result, rollout's answer) -> bool
+    classes: dict      # same= and key= of the domain's answer classes, as voting's functions take them
 
 
-DOMAINS = {"math": Domain(VERIFIER_SYSTEM, VERIFIER_USER, extract_code, python_tool, tool_agrees),
-           "knk": Domain(KNK_SYSTEM, KNK_USER, extract_smt, smt_tool, smt_agrees)}
+DOMAINS = {"math": Domain(VERIFIER_SYSTEM, VERIFIER_USER, extract_code, python_tool, tool_agrees,
+                          dict(same=same_answer, key=answer_key)),
+           "knk": Domain(KNK_SYSTEM, KNK_USER, extract_smt, smt_tool, smt_agrees,
+                         dict(same=knk.same_answer, key=knk.answer_key))}
 
 
 @dataclass
@@ -596,34 +602,21 @@ def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p
     return verify
 
 
-def _budget_plan(problems, answers, budget):
-    """Which rollouts go to the verifier, and for each other one the rollouts whose outcome it inherits:
-    per problem and answer class, the first `budget` rollouts are verified (all when budget is 0)."""
-    if budget == 0:
-        return [i for i, answer in enumerate(answers) if answer is not None], {}
-    by_problem = {}
-    for i, answer in enumerate(answers):
-        if answer is not None:
-            by_problem.setdefault(problems[i], []).append(i)
-    sent, heirs = [], {}
-    for indices in by_problem.values():
-        for members in answer_classes([answers[i] for i in indices], same_answer, answer_key):
-            members = [indices[m] for m in members]
-            chosen = members[:budget]
-            sent += chosen
-            heirs.update({i: chosen for i in members[len(chosen):]})
-    return sorted(sent), heirs
-
-
-def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None, budget=0, domain="math"):
+def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None, budget=0, domain="math",
+                 omega=None):
     """Tool-verify each rollout: one Verification per rollout, in order.
 
     problems, rollouts, answers: one entry per rollout (answers from extract_answer; None -> no_answer,
-    without a verifier call). verifier: callable, list of user messages -> list of completions (see
-    model_verifier). domain: "math" (Python, VERIFIER_SYSTEM) or "knk" (SMT-LIB2, KNK_SYSTEM); see DOMAINS.
-    tool: replaces the domain's tool. sandbox: passed to the tool (None: a default pool). budget K > 0: per problem and
-    answer class only the first K rollouts are verified, the rest inherit the majority outcome of those K
-    (ties: 0) and are marked inferred=True."""
+    without a verifier call); a problem's rollouts vote together. verifier: callable, list of user messages ->
+    list of completions (see model_verifier). domain: "math" (Python, VERIFIER_SYSTEM) or "knk" (SMT-LIB2,
+    KNK_SYSTEM); see DOMAINS. tool: replaces the domain's tool. sandbox: passed to the tool (None: a default pool).
+
+    budget K > 0: per problem and answer class only the first K rollouts are verified, the rest inherit the
+    majority outcome of those K (ties: 0) and are marked inferred=True.
+    omega: verify only what can change the weighted vote at this omega (voting.undecided_classes), in two
+    verifier calls: first the likeliest winning class of each problem, then every class that can still beat
+    it. The rest are "skipped" (v=0): whatever they would show, the label and the rewards are those of
+    verifying everything."""
     if not len(problems) == len(rollouts) == len(answers):
         raise ValueError(f"verify_batch: problems ({len(problems)}), rollouts ({len(rollouts)}) and answers "
                          f"({len(answers)}) need one entry per rollout")
@@ -632,38 +625,64 @@ def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None,
     if domain not in DOMAINS:
         raise ValueError(f"verify_batch: domain {domain!r} is unknown; choose one of {', '.join(DOMAINS)}")
     kind = DOMAINS[domain]
-    sent, heirs = _budget_plan(problems, answers, budget)
-    start = time.perf_counter()
-    completions = verifier([verifier_prompt(problems[i], rollouts[i], domain) for i in sent]) if sent else []
-    seconds = (time.perf_counter() - start) / max(1, len(sent))
-    if len(completions) != len(sent):
-        raise ValueError(f"the verifier returned {len(completions)} completions for {len(sent)} prompts")
-    codes = {i: kind.extract(text) for i, text in zip(sent, completions)}
-    with_code = [i for i in sent if codes[i] is not None]
-    runs = dict(zip(with_code, (tool or kind.tool)([codes[i] for i in with_code], sandbox)))
+    by_problem = {}  # problem -> its answered rollouts' indices
+    for i, answer in enumerate(answers):
+        if answer is not None:
+            by_problem.setdefault(problems[i], []).append(i)
     results = [None] * len(rollouts)
-    for i, text in zip(sent, completions):
-        run = runs.get(i)
-        if run is None:
-            status = "no_code"
-        elif run.status == "ok" and kind.agrees(run.result, answers[i]):  # unless the program copied a_i in
-            status = "hardcoded" if domain == "math" and hardcoded(codes[i], problems[i], answers[i]) else "verified"
-        elif run.status == "ok":
-            status = "mismatch"
-        else:
-            status = {"error": "exec_error", "timeout": "timeout", "hardcoded": "hardcoded"}[run.status]
-        results[i] = Verification(v=int(status == "verified"), status=status, result=run and run.result,
-                                  code=codes[i], completion=str(text), output=run.output if run else "",
-                                  tokens=getattr(text, "num_tokens", None), seconds=seconds,
-                                  tool_seconds=run.seconds if run else 0.0)
-    for i, chosen in heirs.items():
-        outcomes = [results[j] for j in chosen]
-        v = int(2 * sum(r.v for r in outcomes) > len(outcomes))
-        like = next(r for r in outcomes if r.v == v)
-        results[i] = Verification(v=v, status=like.status, result=like.result, inferred=True)
+
+    def verify(classes):
+        """Verify the first `budget` rollouts of each class (all with budget 0); the others inherit."""
+        sent = sorted(i for members in classes for i in (members[:budget] if budget else members))
+        if not sent:
+            return
+        start = time.perf_counter()
+        completions = verifier([verifier_prompt(problems[i], rollouts[i], domain) for i in sent])
+        seconds = (time.perf_counter() - start) / max(1, len(sent))
+        if len(completions) != len(sent):
+            raise ValueError(f"the verifier returned {len(completions)} completions for {len(sent)} prompts")
+        codes = {i: kind.extract(text) for i, text in zip(sent, completions)}
+        with_code = [i for i in sent if codes[i] is not None]
+        runs = dict(zip(with_code, (tool or kind.tool)([codes[i] for i in with_code], sandbox)))
+        for i, text in zip(sent, completions):
+            run = runs.get(i)
+            if run is None:
+                status = "no_code"
+            elif run.status == "ok" and kind.agrees(run.result, answers[i]):  # unless the program copied a_i in
+                status = "hardcoded" if domain == "math" and hardcoded(codes[i], problems[i], answers[i]) else "verified"
+            elif run.status == "ok":
+                status = "mismatch"
+            else:
+                status = {"error": "exec_error", "timeout": "timeout", "hardcoded": "hardcoded"}[run.status]
+            results[i] = Verification(v=int(status == "verified"), status=status, result=run and run.result,
+                                      code=codes[i], completion=str(text), output=run.output if run else "",
+                                      tokens=getattr(text, "num_tokens", None), seconds=seconds,
+                                      tool_seconds=run.seconds if run else 0.0)
+        for members in classes if budget else []:
+            outcomes = [results[i] for i in members[:budget]]
+            v = int(2 * sum(r.v for r in outcomes) > len(outcomes))
+            like = next(r for r in outcomes if r.v == v)
+            for i in members[budget:]:
+                results[i] = Verification(v=v, status=like.status, result=like.result, inferred=True)
+
+    def classes_of(indices, open_only):
+        """A problem's answer classes (rollout indices); open_only: those whose verdicts can change its vote."""
+        group = [answers[i] for i in indices]
+        local = (undecided_classes(group, [None if results[i] is None else results[i].v for i in indices], omega,
+                                   **kind.classes) if open_only else answer_classes(group, **kind.classes))
+        return [[indices[m] for m in members] for members in local]
+
+    if omega is None:  # every answered rollout; classes matter only to a budget
+        verify([members for indices in by_problem.values()
+                for members in (classes_of(indices, False) if budget else [indices])])
+    else:
+        verify([members for indices in by_problem.values() for members in classes_of(indices, True)[:1]])
+        verify([members for indices in by_problem.values() for members in classes_of(indices, True)])
     for i, answer in enumerate(answers):
         if answer is None:
             results[i] = Verification(v=0, status="no_answer", result=None)
+        elif results[i] is None:
+            results[i] = Verification(v=0, status="skipped", result=None)
     return results
 
 

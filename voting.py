@@ -141,6 +141,12 @@ def _ranked(classes: list[list[int]], weight: Callable[[int], float]) -> list[li
     return sorted(classes, key=lambda members: (-sum(weight(i) for i in members), -len(members), members[0]))
 
 
+def _vote_weight(classes: list[list[int]], verified: Sequence[int], omega: float) -> Callable[[int], float]:
+    """w_i: 1 or omega; with omega = inf, v_i itself, unless no rollout in any class is verified (plain counts)."""
+    hard_filter = math.isinf(omega) and any(verified[i] for members in classes for i in members)
+    return lambda i: float(verified[i]) if hard_filter else (omega if verified[i] else 1.0)
+
+
 def weighted_vote(answers: Sequence[Answer], verified: Sequence[int], omega: float = 5.0,
                   same: Same = None, key: Key = None) -> Vote:
     """Vote on a pseudo-label; returns a Vote (label, scores, classes best first, each rollout's class).
@@ -149,13 +155,7 @@ def weighted_vote(answers: Sequence[Answer], verified: Sequence[int], omega: flo
     the number of verified rollouts in the class (plain counts when no answer is verified)."""
     _check_group(answers, verified, omega)
     classes = answer_classes(answers, same, key)
-    hard_filter = math.isinf(omega) and any(verified[i] for members in classes for i in members)
-
-    def weight(i: int) -> float:
-        if hard_filter:
-            return float(verified[i])
-        return omega if verified[i] else 1.0
-
+    weight = _vote_weight(classes, verified, omega)
     ranked = [VoteClass(_representative(answers, members), members, sum(weight(i) for i in members))
               for members in _ranked(classes, weight)]
     assignment: list[Optional[int]] = [None] * len(answers)
@@ -163,6 +163,46 @@ def weighted_vote(answers: Sequence[Answer], verified: Sequence[int], omega: flo
         for i in vote_class.members:
             assignment[i] = k
     return Vote(list(answers), ranked, assignment, omega)
+
+
+def undecided_classes(answers: Sequence[Answer], verified: Sequence[Optional[int]], omega: float = 5.0,
+                      same: Same = None, key: Key = None) -> list[list[int]]:
+    """The answer classes whose verdicts can still change the pseudo-label, likeliest winner first; [] once the
+    label is decided. verified[i]: 0/1, or None while rollout i is not verified yet.
+
+    A class's score grows with its own verdicts and with no one else's, so two outcomes of the unverified
+    rollouts settle each question exactly. Class c wins under every outcome iff it wins when its own fail and
+    all others pass, and when all fail (with omega = inf "all fail" is the plain-majority fallback, the one
+    outcome that ordering misses). c can win under some outcome iff it wins when its own pass and all others
+    fail, or when all fail. A class that cannot win cannot change the label either: the winner is decided among
+    the others, whose scores do not depend on it. Verifying, in any order, the classes this returns until it
+    returns [] therefore gives the label that verifying every rollout gives, and the same rewards.
+
+    >>> undecided_classes(["7"] * 6 + ["9", "4"], [None] * 8)     # 9 or 4 scores 5 at most, 7 at least 6
+    []
+    >>> undecided_classes(["7"] * 4 + ["9", "4"], [None] * 6)     # 7 (4 to 20) first; 9 or 4 (1 to 5) may beat 4
+    [[0, 1, 2, 3], [4], [5]]
+    >>> undecided_classes(["7"] * 4 + ["9", "4"], [1] * 4 + [None] * 2)  # 20 against at most 5: decided
+    []
+    """
+    for v in verified:
+        if v not in (0, 1, None):
+            raise ValueError(f"verified must hold 0/1, or None for a rollout not verified yet, got {v!r}")
+    _check_group(answers, [0] * len(verified), omega)
+    classes = answer_classes(answers, same, key)
+    open_ = [members for members in classes if any(verified[i] is None for i in members)]
+
+    def winner(passing: set[int]) -> list[int]:
+        """The winning class when exactly the unverified rollouts in `passing` pass."""
+        filled = [int(i in passing) if v is None else v for i, v in enumerate(verified)]
+        return _ranked(classes, _vote_weight(classes, filled, omega))[0]
+
+    unverified = lambda members: {i for i in members if verified[i] is None}  # noqa: E731
+    everyone = set().union(*map(unverified, classes))
+    if any(winner(everyone - unverified(c)) == c and winner(set()) == c for c in classes):
+        return []
+    contenders = [c for c in open_ if winner(unverified(c)) == c or winner(set()) == c]
+    return _ranked(contenders, _vote_weight(classes, [1 if v is None else v for v in verified], omega))
 
 
 def _class_of(vote: Vote, answer: Answer, same: Same, key: Key) -> Optional[int]:

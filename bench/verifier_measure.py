@@ -4,10 +4,13 @@
 `--bench knk`: puzzles, wrong = one person flipped) with each verifier model (default: coder-0.5b, the cpu
 policy verifying itself, and coder-1.5b, the paper's verifier model), prints recall, false-verify rate,
 precision, statuses and costs, and logs every completion; --rescore LOG scores a log's completions again
-without sampling; --demo shows one verification step by step.
+without sampling; --demo shows one verification step by step. --steps RUN verifies each training step's saved
+rollouts of a run twice with its verifier, every rollout (as --verify-budget says) and lazily (--lazy-verify:
+only what can change the vote), and prints seconds, prompts, tokens and whether the labels agree.
 
     python verifier.py --measure [--bench knk] [--problems 60] [--verifiers coder-0.5b coder-1.5b]
     python verifier.py --demo
+    python verifier.py --steps runs/RUN
 """
 import argparse
 import json
@@ -170,11 +173,63 @@ def demo(name, max_new_tokens, seed):
           f"{extract_answer(rollout)!r}; {result.tokens} verifier tokens in {result.seconds:.1f} s")
 
 
+def replay_steps(run_dir, seed):
+    """--steps: per step of the run, its rollouts verified by its verifier model (as its config says) with and
+    without laziness, alternating, so the two share whatever else the machine does."""
+    import t3rl  # the run's benchmark and config; only this mode needs them
+    from voting import weighted_vote
+    cfg = json.load(open(os.path.join(run_dir, "config.json")))
+    records = {rec["id"]: rec for rec in t3rl.load_bench(cfg["bench"])}
+    domain = t3rl.domain_of(cfg["bench"]).name
+    classes = verifier.DOMAINS[domain].classes
+    steps = {}
+    for line in open(os.path.join(run_dir, "rollouts.jsonl")):
+        row = json.loads(line)
+        steps.setdefault(row["step"], []).append(row)
+    name = cfg["model"] if cfg["verifier_model"] == "self" else cfg["verifier_model"]
+    model, tokenizer = load_model(name, dtype=torch.bfloat16)
+    # greedy, so that both ways write the same program for a rollout they both verify (up to bfloat16 rounding,
+    # which depends on the batch) and differ only in which rollouts they verify
+    verify = model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=cfg["verifier_max_new_tokens"],
+                            temperature=0.0, seed=seed)
+    verify(["What is 1 + 1?"])  # the weights are packed once, on the first call; keep that out of both timings
+    print(f"{run_dir}: verifier {name} (greedy), omega {cfg['omega']}, budget {cfg['verify_budget']}, "
+          f"{cfg['verifier_max_new_tokens']} tokens; sample s is the run's own")
+    print(f"{'step':>4} {'sample s':>9} {'all s':>7} {'lazy s':>7} {'lazy/all':>8} {'prompts':>9} {'tokens':>11} labels")
+    metrics = {row["step"]: row for row in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
+               if row.get("kind") == "train"}
+    totals = [0.0, 0.0]
+    for step, rows in sorted(steps.items()):
+        problems = [records[row["id"]]["problem"] for row in rows]
+        texts, answers = [row["text"] for row in rows], [row["answer"] for row in rows]
+        measured = []
+        for omega in (None, cfg["omega"]):
+            calls = []
+            counting = lambda prompts: calls.append(len(prompts)) or verify(prompts)  # noqa: E731
+            start = time.perf_counter()
+            results = verify_batch(problems, texts, answers, counting, budget=cfg["verify_budget"], domain=domain,
+                                   omega=omega)
+            labels = []
+            for i in range(0, len(rows), cfg["n_votes"]):
+                group = slice(i, i + cfg["n_votes"])
+                labels.append(weighted_vote(answers[group], [r.v for r in results[group]], cfg["omega"], **classes).label)
+            measured.append((time.perf_counter() - start, sum(calls), sum(r.tokens or 0 for r in results), labels))
+        (full_s, full_n, full_t, full_labels), (lazy_s, lazy_n, lazy_t, lazy_labels) = measured
+        totals[0] += full_s
+        totals[1] += lazy_s
+        sample = metrics.get(step, {}).get("seconds/sample")
+        print(f"{step:>4} {sample or 0:>9.1f} {full_s:>7.1f} {lazy_s:>7.1f} {lazy_s / full_s:>8.2f} "
+              f"{full_n:>4}/{lazy_n:<4} {full_t:>5}/{lazy_t:<5} {'same' if full_labels == lazy_labels else 'differ'}")
+    print(f"all steps: every rollout {totals[0]:.1f} s, lazily {totals[1]:.1f} s, ratio {totals[1] / totals[0]:.2f}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=verifier.__doc__.split("\n")[0])
     parser.add_argument("--measure", action="store_true",
                         help="verify correct and wrong answers to MATH-500 problems with each --verifiers model")
     parser.add_argument("--demo", action="store_true", help="verify one rollout with the first --verifiers model")
+    parser.add_argument("--steps", metavar="RUN", help="verify a training run's saved rollouts step by step, every "
+                        "rollout and lazily (--lazy-verify), with the run's verifier; print the seconds of both")
     parser.add_argument("--verifiers", nargs="+", default=list(MEASURED),
                         help=f"verifier models, any --model value (default: {' '.join(MEASURED)})")
     parser.add_argument("--problems", type=int, default=60, help="--measure: number of problems, spread over levels 1-5")
@@ -191,5 +246,7 @@ def main():
                 rescore=args.rescore)
     elif args.demo:
         demo(args.verifiers[0], args.max_new_tokens, args.seed)
+    elif args.steps:
+        replay_steps(args.steps, args.seed)
     else:
         parser.print_help()
