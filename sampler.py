@@ -72,6 +72,7 @@ Both backends run under torch.inference_mode and leave the model's mode (train /
 import functools
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -108,7 +109,7 @@ class Sampling:
 def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperature: float = 0.6,
              top_p: float = 0.95, seed: int | list[int] | None = None, backend: str = "kv", ignore_eos: bool = False,
              dtype: torch.dtype | None = None, memory_budget: int | None = None, compile: bool = False,
-             progress: str | None = None):
+             progress: str | None = None, frozen: bool = False):
     """n completions for each prompt: a list (one entry per prompt) of lists of n Completions.
 
     prompts: list of strings (needs `tokenizer`) or of token-id lists. temperature 0 is greedy decoding.
@@ -119,7 +120,9 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
     ignore_eos: keep sampling to max_new_tokens (benchmarks).
     "kv" only: dtype (compute dtype; weights cast once per call), memory_budget (bytes for the KV cache and
     logits of one wave; default half the free memory), compile (torch.compile the decode step), progress (a
-    label: show a progress bar over decode steps, with the number of rows still sampling).
+    label: show a progress bar over decode steps, with the number of rows still sampling), frozen (the model
+    does not train, e.g. a verifier: its weights' sampling copy, cast, stacked and packed, is made on the first
+    call and kept for the next ones, until a parameter changes; "hf" has no copy to keep).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
@@ -148,7 +151,8 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
     with torch.inference_mode():
         if backend == "kv":
             rows = _generate_kv(model, prompt_ids, n, sampling, prompt_seeds=prompt_seeds, eos_ids=eos_ids,
-                                dtype=dtype, memory_budget=memory_budget, compile=compile, progress=progress)
+                                dtype=dtype, memory_budget=memory_budget, compile=compile, progress=progress,
+                                frozen=frozen)
         else:
             rows = _generate_hf(model, tokenizer, prompt_ids, n, sampling,
                                 seed if isinstance(seed, int) else prompt_seeds, eos_ids, ignore_eos)
@@ -263,9 +267,12 @@ def kv_unsupported_reason(model) -> str | None:
 
 @dataclass
 class Linear:
-    """x W^T + b. `packed`, on a CPU in bfloat16: W reordered once into oneDNN's blocked layout, which
-    F.linear redoes on every call; the product on it gives the same numbers, 1.4-3x faster at decode's few rows."""
-    weight: torch.Tensor
+    """x W^T + b, W of shape (out_features, in_features). On a CPU in bfloat16, W is held only `packed`:
+    reordered once into oneDNN's blocked layout, which F.linear redoes on every call; the product on it gives
+    the same numbers, 1.4-3x faster at decode's few rows."""
+    out_features: int
+    in_features: int
+    weight: torch.Tensor | None  # None when packed
     bias: torch.Tensor | None
     packed: torch.Tensor | None = None
 
@@ -334,7 +341,9 @@ def model_weights(model, dtype: torch.dtype, pack: bool = True) -> Weights:
         bias = None if all(b is None for b in biases) else torch.cat(
             [torch.zeros(len(m.weight), dtype=dtype, device=weight.device) if b is None else b
              for m, b in zip(modules, biases)])
-        return Linear(weight, bias, torch.ops.mkldnn._reorder_linear_weight(weight) if pack else None)
+        if pack:  # the stacked weight is dropped once packed: only the packed copy is read
+            return Linear(*weight.shape, None, bias, torch.ops.mkldnn._reorder_linear_weight(weight))
+        return Linear(*weight.shape, weight, bias)
 
     config, body = model.config, model.model
     layers = [Layer(get(b.input_layernorm.weight), linear(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj),
@@ -343,6 +352,24 @@ def model_weights(model, dtype: torch.dtype, pack: bool = True) -> Weights:
     return Weights(get(body.embed_tokens.weight), layers, get(body.norm.weight), linear(model.lm_head),
                    config.rms_norm_eps, config.num_attention_heads, config.num_key_value_heads, head_dim_of(config),
                    body.rotary_emb.inv_freq.float(), float(body.rotary_emb.attention_scaling))
+
+
+_KEPT = weakref.WeakKeyDictionary()  # model -> (dtype, its parameters' storage and versions, Weights): frozen=True
+
+
+def kept_weights(model, dtype: torch.dtype) -> Weights:
+    """model_weights(model, dtype), made once and reused while no parameter has changed: every in-place write
+    to a tensor (an optimizer step, load_state_dict) bumps its version counter, and a move gives new storage. A packed 1.5B model takes
+    2-3 s to pack on a CPU, on every call of a verifier that never trains."""
+    parameters = list(model.parameters())
+    if any(p.is_inference() for p in parameters):  # inference tensors keep no version counter to check
+        return model_weights(model, dtype)
+    versions = tuple((p.data_ptr(), p._version) for p in parameters)  # .to() moves storage: a new pointer
+    kept = _KEPT.get(model)
+    if kept is None or kept[:2] != (dtype, versions):
+        _KEPT.pop(model, None)  # free the old copy before making the new one
+        kept = _KEPT[model] = (dtype, versions, model_weights(model, dtype))
+    return kept[2]
 
 
 def rms_norm(x, weight, eps):
@@ -497,7 +524,7 @@ def cache_bytes_per_row(model, length: int, dtype) -> int:
 
 
 def _generate_kv(model, prompt_ids, n, sampling: Sampling, *, prompt_seeds, eos_ids, dtype, memory_budget,
-                 compile, progress):
+                 compile, progress, frozen):
     device = next(model.parameters()).device
     dtype = dtype or next(model.parameters()).dtype
     longest = max(map(len, prompt_ids))
@@ -511,7 +538,7 @@ def _generate_kv(model, prompt_ids, n, sampling: Sampling, *, prompt_seeds, eos_
     if wave_rows < 1:
         raise ValueError(f"memory_budget={budget} bytes holds no row of {length} tokens ({per_row} bytes); "
                          f"raise memory_budget or lower max_new_tokens")
-    w = model_weights(model, dtype)
+    w = kept_weights(model, dtype) if frozen else model_weights(model, dtype)
     run = Run(w, rotary_tables(w, length, dtype), compiled_forward(device.type) if compile else forward,
               device.type == "cuda" and not compile,
               torch.tensor(eos_ids, dtype=torch.long, device=device), dtype, device)
@@ -679,7 +706,7 @@ def _decode_wave(run: Run, prompts, sampling: Sampling, uniforms, *, progress=No
     n_rows, steps = len(prompts), sampling.max_new_tokens
     width = max(map(len, prompts))  # prompts end at column `width`; completion token j sits in column width + j
     cache = KVCache.zeros(run.w, n_rows, width + steps, run.dtype, run.device)
-    logits = torch.empty(n_rows, len(run.w.head.weight), dtype=torch.float32, device=run.device)  # the step's logits
+    logits = torch.empty(n_rows, run.w.head.out_features, dtype=torch.float32, device=run.device)  # the step's logits
     probs = torch.empty_like(logits)                                                      # their probabilities
     prefill(run, cache, prompts, width, logits)
     start = width - torch.tensor([len(p) for p in prompts], device=run.device)

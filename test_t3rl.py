@@ -1140,6 +1140,20 @@ def test_nucleus_keeps_the_same_tokens_as_transformers():
         assert torch.equal(ours, theirs), f"top_p={top_p}"
 
 
+def test_a_frozen_model_is_packed_once_and_again_after_a_parameter_changes(monkeypatch):
+    model = small_vocab_model().to(torch.bfloat16)
+    made = []
+    monkeypatch.setattr(sampler, "model_weights", lambda *args, real=sampler.model_weights: made.append(1) or real(*args))
+    options = dict(n=2, max_new_tokens=8, seed=0, ignore_eos=True, dtype=torch.bfloat16)
+    first, again = (generate(model, None, SMALL_PROMPTS, frozen=True, **options) for _ in range(2))
+    assert len(made) == 1 and token_rows(first) == token_rows(again)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1)  # in place, as an optimizer step writes
+    changed = generate(model, None, SMALL_PROMPTS, frozen=True, **options)
+    assert len(made) == 2 and token_rows(changed) == token_rows(generate(model, None, SMALL_PROMPTS, **options))
+    assert token_rows(changed) != token_rows(first)
+
+
 def test_packed_cpu_weights_sample_what_plain_products_sample(monkeypatch):
     """bfloat16 on a CPU: the weights are packed for oneDNN once per call; the tokens and their log-probs are
     those of F.linear on the plain weights."""

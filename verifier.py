@@ -595,7 +595,7 @@ def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p
                                                add_generation_prompt=True) for m in messages]
         groups = generate(model, tokenizer, chats, n=1, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, seed=None if seed is None else seed + calls, backend=backend,
-                          progress="verifier" if backend == "kv" else None)
+                          progress="verifier" if backend == "kv" else None, frozen=True)
         calls += 1
         return [VerifierText(group[0].text, group[0].num_tokens) for group in groups]
 

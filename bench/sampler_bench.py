@@ -98,8 +98,8 @@ def matmul_seconds(model, rows, dtype, device) -> float:
     the model's weights, at their best: what a step would cost if nothing else took any time."""
     w = model_weights(model, dtype)
     linears = [lin for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [w.head]
-    inputs = {lin.weight.shape[1]: torch.randn(rows, lin.weight.shape[1], dtype=dtype, device=device) for lin in linears}
-    return 1 / _rate(lambda: [lin(inputs[lin.weight.shape[1]]) for lin in linears], device, 1.0)
+    inputs = {lin.in_features: torch.randn(rows, lin.in_features, dtype=dtype, device=device) for lin in linears}
+    return 1 / _rate(lambda: [lin(inputs[lin.in_features]) for lin in linears], device, 1.0)
 
 
 def bench(spec, device, ns, max_new_tokens, compile, dtypes):
