@@ -119,7 +119,7 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
     torch's global generator (so torch.manual_seed upstream makes a whole run repeatable).
     ignore_eos: keep sampling to max_new_tokens (benchmarks).
     "kv" only: dtype (compute dtype; weights cast once per call), memory_budget (bytes for the KV cache and
-    logits of one wave; default half the free memory), compile (torch.compile the decode step), progress (a
+    logits of one wave; default half the available memory), compile (torch.compile the decode step), progress (a
     label: show a progress bar over decode steps, with the number of rows still sampling), frozen (the model
     does not train, e.g. a verifier: its weights' sampling copy, cast, stacked and packed, is made on the first
     call and kept for the next ones, until a parameter changes; "hf" has no copy to keep).
@@ -509,9 +509,17 @@ def nucleus(probs, top_p: float):
 
 
 def _default_budget(device) -> int:
+    """Half the memory a new allocation can get: on Linux MemAvailable, which counts the page cache the kernel
+    gives back (free pages alone, after a run has read its model files, can be a few hundred MB of 24 GB and
+    split a call into needless waves)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 2
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available // 2
 
 
 def cache_bytes_per_row(model, length: int, dtype) -> int:
