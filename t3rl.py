@@ -301,7 +301,7 @@ class Config:
                           "with --replay)", Range(1, high_open=False))
     verify_budget: int = option(0, "verify at most K rollouts per answer class, the rest inherit (0 = verify all)", COUNT)
     lazy_verify: bool = option(False, "verify only the rollouts whose verdicts can still change the pseudo-label: the "
-                               "labels and rewards of verifying all, at fewer verifier calls (two per step)")
+                               "labels and rewards of verifying all, at fewer verifier prompts (one or two calls a step)")
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
     sandbox_timeout: float = option(5.0, "seconds each verifier program may run", POSITIVE)
@@ -559,8 +559,8 @@ def sample_dtype(cfg: Config):
 
 
 def verify_groups(records, groups, answers, verifier, pool, cfg: Config):
-    """v_i for every rollout of every question, through one batched verifier call and one sandbox batch (two of
-    each with --lazy-verify)."""
+    """v_i for every rollout of every question, through one batched verifier call and one sandbox batch (up to
+    two of each with --lazy-verify)."""
     if not cfg.verify:
         return [[None] * len(group) for group in groups]
     problems = [rec["problem"] for rec, group in zip(records, groups) for _ in group]

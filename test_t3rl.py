@@ -1790,7 +1790,8 @@ def test_budget_keeps_problems_apart(verify_pool):
     assert [r.inferred for r in results] == [False, True, False]
 
 
-def test_lazy_verification_stops_once_the_majority_is_verified(verify_pool):
+def test_lazy_verification_stops_once_the_majority_is_verified(verify_pool, monkeypatch):
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)
     answers = ["55", "55", "55", "55", "54", "56"]  # 55 verified scores 20, the others 5 at most
     verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"))
     results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, sandbox=verify_pool, budget=1, omega=5.0)
@@ -1798,7 +1799,8 @@ def test_lazy_verification_stops_once_the_majority_is_verified(verify_pool):
     assert [r.status for r in results] == ["verified"] * 4 + ["skipped"] * 2 and [r.v for r in results] == [1] * 4 + [0, 0]
 
 
-def test_lazy_verification_asks_the_classes_that_can_still_win_in_a_second_call(verify_pool):
+def test_lazy_verification_asks_the_classes_that_can_still_win_in_a_second_call(verify_pool, monkeypatch):
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # a second call pays even for one prompt spared
     answers = ["55", "55", "55", "55", "54", "56"]  # 55 fails (4): 54 or 56 verified (5) would beat it
     verifier = ScriptedVerifier(*[block("print(6 * 9)")] * 3)
     results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, sandbox=verify_pool, budget=1, omega=5.0)
@@ -1807,7 +1809,16 @@ def test_lazy_verification_asks_the_classes_that_can_still_win_in_a_second_call(
     assert weighted_vote(answers, [r.v for r in results], 5.0).label == "54"
 
 
-def test_lazy_verification_of_several_problems_makes_two_verifier_calls(verify_pool):
+def test_lazy_verification_asks_every_class_that_can_win_at_once_when_a_second_call_spares_little(verify_pool):
+    answers = ["55", "55", "55", "55", "54", "56", "57"]  # 55 and the three that could beat it: 3 prompts spared
+    verifier = ScriptedVerifier(*[block("print(6 * 9)")] * 4)
+    results = verify_batch([PROBLEM] * 7, [ROLLOUT] * 7, answers, verifier, sandbox=verify_pool, budget=1, omega=5.0)
+    assert [len(batch) for batch in verifier.batches] == [4]
+    assert [r.status for r in results] == ["mismatch"] * 4 + ["verified", "mismatch", "mismatch"]
+
+
+def test_lazy_verification_of_several_problems_makes_two_verifier_calls(verify_pool, monkeypatch):
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)
     other = "What is 5 times 11?"
     problems = [PROBLEM] * 4 + [other] * 4
     answers = ["55", "55", "54", "53"] * 2  # per problem: 55 fails, so 54 and 53 can still win
@@ -2098,6 +2109,7 @@ def test_ground_truth_never_reaches_rewards_or_parameters(tiny_dir, tmp_path, mo
 def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # the two-call path, the one that could go wrong
     asked = {}
     runs = {}
     for lazy in (False, True):
@@ -2235,6 +2247,7 @@ def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, pat
 
 
 def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny_dir, tmp_path, monkeypatch, patched):
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # as many skipped verdicts as laziness makes
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     run = t3rl.train(t3rl.parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2)))

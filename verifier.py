@@ -27,7 +27,7 @@ with a small taint analysis: a literal worth the candidate answer that the probl
 arithmetic, indexing, variables or the program's own functions.
 
 verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=python_tool, budget=0, omega=None) runs a
-whole training step at once: one call of `verifier` (two with omega, below; any callable, list of user messages -> list of
+whole training step at once: one call of `verifier` (up to two with omega, below; any callable, list of user messages -> list of
 completions; model_verifier wraps a model in one batched sampler.generate call) and one call of `tool`
 (python_tool: one sandbox run_many). A rollout's reasoning enters the prompt cut to its last
 MAX_ROLLOUT_CHARS = 4000 characters (the end holds the answer; ~1.2k tokens), so a prompt stays bounded
@@ -40,7 +40,7 @@ assertions fix someone's role as a bare fact is "hardcoded".
 budget K > 0 verifies only the first K rollouts of each answer class of a problem; the others inherit
 the majority outcome of those K (a tie counts as unverified) and are marked inferred. omega (the vote's)
 verifies only the classes whose verdicts can still change the weighted vote (voting.undecided_classes), in
-two verifier calls, so the label and rewards are those of verifying everything at fewer verifier calls. Costs per rollout:
+one or two verifier calls, so the label and rewards are those of verifying everything, at fewer prompts. Costs per rollout:
 verifier tokens (VerifierText.num_tokens) and seconds (the batch's wall time split evenly over the
 rollouts sent), and the program's run time.
 
@@ -602,6 +602,12 @@ def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p
     return verify
 
 
+# A second verifier call pays again for prefilling the prompts' shared start and for its own decode tail:
+# about five prompts' worth for the 1.5B verifier on a CPU (python verifier.py --steps RUN). Lazy verification
+# makes one only when it can spare more prompts than this.
+LAZY_SECOND_CALL = 8
+
+
 def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None, budget=0, domain="math",
                  omega=None):
     """Tool-verify each rollout: one Verification per rollout, in order.
@@ -613,10 +619,11 @@ def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None,
 
     budget K > 0: per problem and answer class only the first K rollouts are verified, the rest inherit the
     majority outcome of those K (ties: 0) and are marked inferred=True.
-    omega: verify only what can change the weighted vote at this omega (voting.undecided_classes), in two
-    verifier calls: first the likeliest winning class of each problem, then every class that can still beat
-    it. The rest are "skipped" (v=0): whatever they would show, the label and the rewards are those of
-    verifying everything."""
+    omega: verify only what can change the weighted vote at this omega (voting.undecided_classes): every
+    class that can still win, in one verifier call; or, when that spares more than LAZY_SECOND_CALL prompts,
+    in two: first the likeliest winning class of each problem, then every class that can still beat it. The
+    rest are "skipped" (v=0): whatever they would show, the label and the rewards are those of verifying
+    everything."""
     if not len(problems) == len(rollouts) == len(answers):
         raise ValueError(f"verify_batch: problems ({len(problems)}), rollouts ({len(rollouts)}) and answers "
                          f"({len(answers)}) need one entry per rollout")
@@ -676,8 +683,13 @@ def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None,
         verify([members for indices in by_problem.values()
                 for members in (classes_of(indices, False) if budget else [indices])])
     else:
-        verify([members for indices in by_problem.values() for members in classes_of(indices, True)[:1]])
-        verify([members for indices in by_problem.values() for members in classes_of(indices, True)])
+        undecided = [classes_of(indices, True) for indices in by_problem.values()]
+        prompts = lambda classes: sum(min(len(m), budget or len(m)) for m in classes)  # noqa: E731
+        if prompts(c for group in undecided for c in group[1:]) > LAZY_SECOND_CALL:
+            verify([group[0] for group in undecided if group])  # the likeliest winners; then what can beat them
+            verify([members for indices in by_problem.values() for members in classes_of(indices, True)])
+        else:  # every class that can win: the vote is settled after one call
+            verify([members for group in undecided for members in group])
     for i, answer in enumerate(answers):
         if answer is None:
             results[i] = Verification(v=0, status="no_answer", result=None)
