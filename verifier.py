@@ -645,7 +645,7 @@ def verify_batch(problems, rollouts, answers, verifier, sandbox=None, tool=None,
             return
         start = time.perf_counter()
         completions = verifier([verifier_prompt(problems[i], rollouts[i], domain) for i in sent])
-        seconds = (time.perf_counter() - start) / max(1, len(sent))
+        seconds = (time.perf_counter() - start) / len(sent)
         if len(completions) != len(sent):
             raise ValueError(f"the verifier returned {len(completions)} completions for {len(sent)} prompts")
         codes = {i: kind.extract(text) for i, text in zip(sent, completions)}

@@ -197,11 +197,13 @@ def undecided_classes(answers: Sequence[Answer], verified: Sequence[Optional[int
         filled = [int(i in passing) if v is None else v for i, v in enumerate(verified)]
         return _ranked(classes, _vote_weight(classes, filled, omega))[0]
 
-    unverified = lambda members: {i for i in members if verified[i] is None}  # noqa: E731
-    everyone = set().union(*map(unverified, classes))
-    if any(winner(everyone - unverified(c)) == c and winner(set()) == c for c in classes):
+    if not classes:  # every answer is missing: the label is None whatever the verdicts
         return []
-    contenders = [c for c in open_ if winner(unverified(c)) == c or winner(set()) == c]
+    unverified = lambda members: {i for i in members if verified[i] is None}  # noqa: E731
+    everyone, all_fail = set().union(*map(unverified, classes)), winner(set())
+    if any(c == all_fail and winner(everyone - unverified(c)) == c for c in classes):
+        return []
+    contenders = [c for c in open_ if c == all_fail or winner(unverified(c)) == c]
     return _ranked(contenders, _vote_weight(classes, [1 if v is None else v for v in verified], omega))
 
 
