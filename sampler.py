@@ -359,8 +359,8 @@ _KEPT = weakref.WeakKeyDictionary()  # model -> (dtype, its parameters' storage 
 
 def kept_weights(model, dtype: torch.dtype) -> Weights:
     """model_weights(model, dtype), made once and reused while no parameter has changed: every in-place write
-    to a tensor (an optimizer step, load_state_dict) bumps its version counter, and a move gives new storage. A packed 1.5B model takes
-    2-3 s to pack on a CPU, on every call of a verifier that never trains."""
+    to a tensor (an optimizer step, load_state_dict) bumps its version counter, and a move gives new storage.
+    A packed 1.5B model takes 2-3 s to pack on a CPU, on every call of a verifier that never trains."""
     parameters = list(model.parameters())
     if any(p.is_inference() for p in parameters):  # inference tensors keep no version counter to check
         return model_weights(model, dtype)

@@ -40,13 +40,14 @@ from huggingface_hub import snapshot_download
 from tqdm import tqdm
 
 import knk
-from answers import answer_key, extract_answer, is_equiv, same_answer
+from answers import extract_answer, is_equiv
 from files import DataError, append_jsonl, drop_torn_tail, jsonl_objects, keep_jsonl, read_jsonl_rows, write_atomically
 from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from model import ModelLoadError, check_hub, check_spec, load_model
 from sampler import generate
 from sandbox import SandboxPool
 from study import collect, report, stratified
+from verifier import DOMAINS as VERIFIER_DOMAINS
 from verifier import model_verifier, verify_batch
 from voting import Vote, group_metrics, weighted_vote
 
@@ -72,9 +73,10 @@ KNK_INSTRUCTION = ("Please reason step by step, and put your final answer within
 
 
 # math answers need no problem to be read (the lambda also looks extract_answer up at call time, as tests patch it)
-DOMAINS = {"math": Domain("math", MATH_INSTRUCTION, lambda text, problem: extract_answer(text), dict(key=answer_key, same=same_answer),
-                          is_equiv),
-           "knk": Domain("knk", KNK_INSTRUCTION, knk.extract_answer, dict(key=knk.answer_key, same=knk.same_answer), knk.is_equiv)}
+# the vote's classes are the verifier's (a budget and laziness group rollouts by them too): one definition
+DOMAINS = {"math": Domain("math", MATH_INSTRUCTION, lambda text, problem: extract_answer(text),
+                          VERIFIER_DOMAINS["math"].classes, is_equiv),
+           "knk": Domain("knk", KNK_INSTRUCTION, knk.extract_answer, VERIFIER_DOMAINS["knk"].classes, knk.is_equiv)}
 
 
 def domain_of(bench: str) -> Domain:
