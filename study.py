@@ -15,7 +15,9 @@ and at what token cost? Measured on the same samples, without training.
         with the same question draws, so its interval is the paired one
         fixed / broke: questions where T3RL's label is right and TTRL's wrong / the other way round
         tokens(k) = mean_q sum_{i<=k} len(y_i)  (policy)  and  mean_q sum_{i<=k} len(program_i)  (verifier),
-        generated tokens only (the verifier's prompt, problem + rollout, is prefilled, not generated)
+        generated tokens, the paper's measure; and read(k) = mean_q sum_{i<=k, y_i verified} len(y_i), the
+        rollouts the verifier reads as its prompts (prefilled: cheap per token on a GPU, the verifier's main
+        cost on a CPU; the system prompt and problem it reads besides are not counted)
 
 A study folder holds config.json, study.jsonl (one line per question: gold, level, every rollout's answer,
 verdict, status, tool result, token counts, text and program), table.txt and study.png. A killed study resumes
@@ -148,9 +150,13 @@ def bootstrap_draws(n_questions: int, seed: int, resamples: int = RESAMPLES) -> 
 
 
 def token_costs(rows: list[dict], ks) -> dict:
-    """k -> (mean policy tokens, mean verifier tokens) per question for the first k rollouts."""
+    """k -> (policy tokens, verifier tokens generated, rollout tokens the verifier read), means per question over
+    the first k rollouts. A rollout was read when the verifier wrote for it (a call generates at least a token)."""
+    def read(r, k):
+        return sum(p for p, v in zip(r["policy_tokens"][:k], r["verifier_tokens"][:k]) if v > 0)
     return {k: (float(np.mean([sum(r["policy_tokens"][:k]) for r in rows])),
-                float(np.mean([sum(r["verifier_tokens"][:k]) for r in rows]))) for k in ks}
+                float(np.mean([sum(r["verifier_tokens"][:k]) for r in rows])),
+                float(np.mean([read(r, k) for r in rows]))) for k in ks}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -162,21 +168,21 @@ def fmt_omega(w: float) -> str:
 
 def accuracy_table(correct, draws, ks, omegas, costs) -> list[str]:
     lines = [f"{'k':>3} {'vote':<6}{'label acc':>10} {'95% CI':<15}{'T3RL-TTRL':>10} {'95% CI':<17}"
-             f"{'fixed':>6}{'broke':>6}{'policy tok':>12}{'verifier tok':>14}"]
+             f"{'fixed':>6}{'broke':>6}{'policy tok':>12}{'verifier tok':>14}{'verifier read':>15}"]
     for k in ks:
         base = correct[k, 1.0]
         for w in omegas:
             c = correct[k, w]
             lo, hi = interval(c, draws)
             row = f"{k:>3} {fmt_omega(w):<6}{c.mean():>10.3f} [{lo:.3f}, {hi:.3f}] "
-            policy, verifier = costs[k]
+            policy, verifier, read = costs[k]
             if w == 1:
-                row += f"{'':>10} {'':<17}{'':>6}{'':>6}{policy:>12.0f}{0:>14.0f}"
+                row += f"{'':>10} {'':<17}{'':>6}{'':>6}{policy:>12.0f}{0:>14.0f}{0:>15.0f}"
             else:
                 dlo, dhi = interval(c - base, draws)
                 row += (f"{(c - base).mean():>+10.3f} [{dlo:+.3f}, {dhi:+.3f}]"
                         f"{int(((c == 1) & (base == 0)).sum()):>6}{int(((c == 0) & (base == 1)).sum()):>6}"
-                        f"{policy:>12.0f}{verifier:>14.0f}")
+                        f"{policy:>12.0f}{verifier:>14.0f}{read:>15.0f}")
             lines.append(row)
     return lines
 
@@ -208,16 +214,18 @@ def level_table(rows, correct, ks, omega, seed: int, resamples: int) -> list[str
 def budget_lines(correct, draws, ks, omegas, costs) -> list[str]:
     """T3RL at each smaller k against TTRL at the largest k: the paper's 'T3RL@16 >= TTRL@64 at fewer tokens'."""
     top = ks[-1]
-    lines = ["", f"T3RL at k against TTRL at k = {top} (paired over questions; tokens = policy + verifier)"]
+    lines = ["", f"T3RL at k against TTRL at k = {top} (paired over questions; tokens = policy + verifier generated; "
+                 f"read: + the rollouts the verifier read)"]
     for k in ks[:-1]:
         for w in omegas:
             if w == 1:
                 continue
             d = correct[k, w] - correct[top, 1.0]
             lo, hi = interval(d, draws)
-            ratio = sum(costs[k]) / costs[top][0]
+            generated, top_tokens = costs[k][0] + costs[k][1], costs[top][0]
             lines.append(f"  T3RL@{k} {fmt_omega(w):<6} - TTRL@{top}: {d.mean():+.3f} [{lo:+.3f}, {hi:+.3f}]"
-                         f"   tokens {sum(costs[k]):.0f} vs {costs[top][0]:.0f} ({ratio:.2f}x)")
+                         f"   tokens {generated:.0f} vs {top_tokens:.0f} ({generated / top_tokens:.2f}x), "
+                         f"read {generated + costs[k][2]:.0f} ({(generated + costs[k][2]) / top_tokens:.2f}x)")
     return lines
 
 
@@ -290,7 +298,8 @@ def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> s
     lines = [title, f"questions per MATH level: {per_level}" if levels else "no MATH levels in this benchmark",
              verdict_line(rows, right), pass_line(right, ks),
              f"label accuracy against the hidden gold; 95% bootstrap intervals over questions ({resamples} resamples, "
-             f"seed {seed}); tokens: mean generated per question", ""]
+             f"seed {seed}); tokens: mean generated per question; verifier read: mean rollout tokens it read as prompts",
+             ""]
     lines += accuracy_table(correct, draws, ks, OMEGAS, costs)
     lines += level_table(rows, correct, ks, omega, seed, resamples)
     lines += budget_lines(correct, draws, ks, OMEGAS, costs)
