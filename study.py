@@ -250,8 +250,9 @@ def verdict_line(rows, right) -> str:
             + ", ".join(f"{s} {n}" for s, n in sorted(statuses.items())))
 
 
-def plot(path: Path, correct, draws, ks, omegas, costs, title: str):
-    """Label accuracy against mean tokens per question: TTRL pays policy tokens, T3RL policy + verifier."""
+def plot(path: Path, correct, draws, ks, omegas, costs, title: str, read_omega: float):
+    """Label accuracy against mean tokens per question: TTRL pays policy tokens, T3RL policy + verifier generated,
+    and once more at read_omega with the rollout tokens the verifier reads added (its cost on a CPU)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -266,8 +267,10 @@ def plot(path: Path, correct, draws, ks, omegas, costs, title: str):
         if w == 1:
             for xi, yi, k in zip(x, y, ks):
                 ax.annotate(f"k={k}", (xi, yi), textcoords="offset points", xytext=(4, -12), fontsize=8)
+    ax.plot([sum(costs[k]) for k in ks], [correct[k, read_omega].mean() for k in ks], marker="x", linestyle=":",
+            color="gray", label=f"T3RL omega={read_omega:g}, + the rollout tokens the verifier reads")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("generated tokens per question (mean)")
+    ax.set_xlabel("tokens per question (mean): generated, and read by the verifier where said")
     ax.set_ylabel("pseudo-label accuracy (95% bootstrap CI)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
@@ -305,6 +308,6 @@ def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> s
     lines += budget_lines(correct, draws, ks, OMEGAS, costs)
     text = "\n".join(lines)
     (run_dir / "table.txt").write_text(text + "\n", encoding="utf-8")
-    plot(run_dir / "study.png", correct, draws, ks, OMEGAS, costs, title)
+    plot(run_dir / "study.png", correct, draws, ks, OMEGAS, costs, title, omega)
     return text
 
