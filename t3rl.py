@@ -427,8 +427,10 @@ def new_config(given: dict) -> Config:
         cfg.episodes = PAPER_EPISODES.get(bench, cfg.episodes)
         cfg.eval_samples = 16 if bench == "aime2024" else 4
     if given.get("study"):
-        # a study verifies every rollout; the cpu preset's budget and laziness only save training time
+        # a study verifies every rollout; the cpu preset's budget and laziness only save training time; it never
+        # trains, so the rollouts kept for training only need to fit in whatever --n-votes it samples
         cfg.verify_budget, cfg.lazy_verify = 0, False
+        cfg.n_train = min(cfg.n_train, given.get("n_votes", cfg.n_votes))
     for key, value in given.items():
         setattr(cfg, key, value)
     cfg.preset = preset

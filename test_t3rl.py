@@ -2933,6 +2933,17 @@ def test_a_study_on_the_cpu_preset_verifies_every_rollout(tmp_path):
         t3rl.study(explicit)
 
 
+def test_a_study_samples_fewer_votes_than_training_keeps(tmp_path):
+    """A study never trains: `--study --n-votes 3` must start although the preset keeps 4 rollouts for training,
+    while a training run with 3 votes and 4 kept is still refused, and so is an explicit --n-train above them."""
+    cfg = t3rl.parse_config(["--study", "--n-votes", "3", "--out-dir", str(tmp_path)])
+    assert cfg.study and cfg.n_votes == 3 and cfg.n_train <= 3
+    with pytest.raises(t3rl.OptionError, match="--n-train 4: must be at most --n-votes"):
+        t3rl.parse_config(["--n-votes", "3", "--out-dir", str(tmp_path)])
+    with pytest.raises(t3rl.OptionError, match="--n-train 5"):
+        t3rl.parse_config(["--study", "--n-votes", "3", "--n-train", "5", "--out-dir", str(tmp_path)])
+
+
 def test_study_replay_reproduces_the_table_without_a_model(tiny_dir, tmp_path, monkeypatch, patched, capsys):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
