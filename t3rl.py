@@ -236,7 +236,9 @@ def load_bench(name: str) -> list[dict]:
         rows = download_hub_rows(dataset, files)
     except OSError as err:  # the client's errors (offline, unreachable, not found, gated) are all OSErrors
         reason = (str(err).strip() or type(err).__name__).splitlines()[0]
-        raise BenchError(f"--bench {name}: not found locally and not available from the Hub ({reason}); put the file "
+        where = "not found locally" if not data_dir else (
+            f"not found in T3RL_DATA_DIR={data_dir}{'' if Path(data_dir).is_dir() else ' (no such folder)'} nor in data/")
+        raise BenchError(f"--bench {name}: {where} and not available from the Hub ({reason}); put the file "
                          f"at {local} or set T3RL_DATA_DIR to a folder holding {name}.jsonl "
                          f"(one JSON object per line with 'problem' and 'answer')") from None
     return hub_records(name, rows)

@@ -345,6 +345,21 @@ def test_benchmarks_come_through_the_hub_client_with_token_mirror_cache_and_offl
     assert "HF_HUB_OFFLINE" in str(err.value) and "put the file at" in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_data_folder_without_the_benchmark_is_named_in_the_error(tmp_path, monkeypatch):
+    """T3RL_DATA_DIR set to a folder that lacks the file (or does not exist) must be what the error names, not
+    'not found locally' (the user did point somewhere); the Hub is offline here."""
+    import huggingface_hub
+    monkeypatch.setattr(t3rl, "ROOT", tmp_path)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    for folder, said in ((tmp_path, f"not found in T3RL_DATA_DIR={tmp_path} nor in data/"),
+                         (tmp_path / "missing", f"not found in T3RL_DATA_DIR={tmp_path / 'missing'} (no such folder)")):
+        monkeypatch.setenv("T3RL_DATA_DIR", str(folder))
+        with pytest.raises(t3rl.BenchError) as err:
+            t3rl.load_bench("aime2024")
+        assert str(err.value).startswith(f"--bench aime2024: {said}") and "\n" not in str(err.value)
+
+
 # =================================================================================================================
 # voting.py and answer checking
 # =================================================================================================================
