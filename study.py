@@ -151,9 +151,10 @@ def bootstrap_draws(n_questions: int, seed: int, resamples: int = RESAMPLES) -> 
 
 def token_costs(rows: list[dict], ks) -> dict:
     """k -> (policy tokens, verifier tokens generated, rollout tokens the verifier read), means per question over
-    the first k rollouts. A rollout was read when the verifier wrote for it (a call generates at least a token)."""
+    the first k rollouts. The verifier reads every rollout it is sent: all but those without an answer (and, in a
+    lazy training run, those skipped)."""
     def read(r, k):
-        return sum(p for p, v in zip(r["policy_tokens"][:k], r["verifier_tokens"][:k]) if v > 0)
+        return sum(p for p, s in zip(r["policy_tokens"][:k], r["status"][:k]) if s not in ("no_answer", "skipped"))
     return {k: (float(np.mean([sum(r["policy_tokens"][:k]) for r in rows])),
                 float(np.mean([sum(r["verifier_tokens"][:k]) for r in rows])),
                 float(np.mean([read(r, k) for r in rows]))) for k in ks}

@@ -2892,7 +2892,8 @@ def test_study_votes_on_nested_subsets_and_counts_their_tokens():
     assert list(c[4, 5.0]) == [1, 0] and list(c[4, math.inf]) == [1, 0]
     assert list(c[8, 1.0]) == [1, 1] and list(c[8, 5.0]) == [1, 1]
     assert study.token_costs(rows, [4, 8]) == {4: (46.0, 406.0, 46.0), 8: (108.0, 828.0, 108.0)}
-    unread = [{**row, "verifier_tokens": [0, 0, 0, 0] + row["verifier_tokens"][4:]} for row in rows]  # 4 not sent
+    unread = [{**row, "verifier_tokens": [0] * 4 + row["verifier_tokens"][4:],  # rollouts 0-3 were not sent
+               "status": ["no_answer"] * 4 + row["status"][4:]} for row in rows]
     assert study.token_costs(unread, [4, 8]) == {4: (46.0, 0.0, 0.0), 8: (108.0, 422.0, 62.0)}
     assert study.study_ks(64) == [4, 8, 16, 32, 64] and study.study_ks(12) == [4, 8, 12]
     draws = study.bootstrap_draws(2, seed=0)
