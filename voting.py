@@ -201,7 +201,7 @@ def undecided_classes(answers: Sequence[Answer], verified: Sequence[Optional[int
         return []
     unverified = lambda members: {i for i in members if verified[i] is None}  # noqa: E731
     everyone, all_fail = set().union(*map(unverified, classes)), winner(set())
-    if any(c == all_fail and winner(everyone - unverified(c)) == c for c in classes):
+    if winner(everyone - unverified(all_fail)) == all_fail:  # it also wins when its own fail and all others pass
         return []
     contenders = [c for c in open_ if c == all_fail or winner(unverified(c)) == c]
     return _ranked(contenders, _vote_weight(classes, [1 if v is None else v for v in verified], omega))
