@@ -36,7 +36,10 @@ Design of "kv":
     one (compiled: the whole cache, so every step has the same shapes and nothing recompiles).
   - Matrix products on the weights: q, k and v are one product on their stacked weights, and so are gate and
     up. On a CPU in bfloat16 each weight is reordered once per call into oneDNN's blocked layout, which
-    F.linear would redo at every product: decode's products run 1.4-3x faster, on the same numbers.
+    F.linear would redo at every product: decode's products run 1.4-3x faster, on the same numbers. A model
+    that never trains (the verifier) may take int8=True: each product in 8-bit integers (weights rounded per
+    output row once, activations per token on the fly), faster still at prefill and decode, on numbers that
+    differ slightly from bfloat16's (README gives how much).
   - Finished rows leave the batch: when an eighth of the batch has produced its end-of-sequence token, the
     live rows are copied to the front of the cache and the batch shrinks, so they stop costing compute.
   - The step's float32 logits and their probabilities live in two (rows, vocab) buffers allocated with the
@@ -109,7 +112,7 @@ class Sampling:
 def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperature: float = 0.6,
              top_p: float = 0.95, seed: int | list[int] | None = None, backend: str = "kv", ignore_eos: bool = False,
              dtype: torch.dtype | None = None, memory_budget: int | None = None, compile: bool = False,
-             progress: str | None = None, frozen: bool = False):
+             progress: str | None = None, frozen: bool = False, int8: bool = False):
     """n completions for each prompt: a list (one entry per prompt) of lists of n Completions.
 
     prompts: list of strings (needs `tokenizer`) or of token-id lists. temperature 0 is greedy decoding.
@@ -122,7 +125,8 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
     logits of one wave; default half the available memory), compile (torch.compile the decode step), progress (a
     label: show a progress bar over decode steps, with the number of rows still sampling), frozen (the model
     does not train, e.g. a verifier: its weights' sampling copy, cast, stacked and packed, is made on the first
-    call and kept for the next ones, until a parameter changes; "hf" has no copy to keep).
+    call and kept for the next ones, until a parameter changes; "hf" has no copy to keep), int8 (every linear
+    layer's product in 8-bit integers, Int8Linear: a CPU only, for a model that never trains, as a verifier).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend {backend!r}: use one of {', '.join(BACKENDS)}")
@@ -134,8 +138,10 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
         raise ValueError(f"temperature={temperature}: must be >= 0 (0 is greedy)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}: must be in (0, 1]")
-    if backend == "hf" and (dtype is not None or memory_budget is not None or compile):
-        raise ValueError("dtype, memory_budget and compile apply to backend 'kv'; for 'hf' cast the model instead")
+    if backend == "hf" and (dtype is not None or memory_budget is not None or compile or int8):
+        raise ValueError("dtype, memory_budget, compile and int8 apply to backend 'kv'; for 'hf' cast the model instead")
+    if int8 and (reason := int8_unavailable_reason(next(model.parameters()).device)):
+        raise ValueError(f"int8=True: {reason}; sample in bfloat16 instead (int8=False)")
     prompt_ids = _prompt_ids(tokenizer, prompts)
     eos_ids = [] if ignore_eos else _eos_ids(model, tokenizer)
     if seed is None:
@@ -145,14 +151,14 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
         reason = kv_unsupported_reason(model)
         if reason:
             print(f"[sampler] kv backend does not support {reason}; falling back to hf "
-                  f"(dtype, memory_budget and compile ignored)", file=sys.stderr)
-            backend, dtype, memory_budget, compile = "hf", None, None, False
+                  f"(dtype, memory_budget, compile and int8 ignored)", file=sys.stderr)
+            backend, dtype, memory_budget, compile, int8 = "hf", None, None, False, False
     sampling = Sampling(max_new_tokens, temperature, top_p)
     with torch.inference_mode():
         if backend == "kv":
             rows = _generate_kv(model, prompt_ids, n, sampling, prompt_seeds=prompt_seeds, eos_ids=eos_ids,
                                 dtype=dtype, memory_budget=memory_budget, compile=compile, progress=progress,
-                                frozen=frozen)
+                                frozen=frozen, int8=int8)
         else:
             rows = _generate_hf(model, tokenizer, prompt_ids, n, sampling,
                                 seed if isinstance(seed, int) else prompt_seeds, eos_ids, ignore_eos)
@@ -284,6 +290,51 @@ class Linear:
         return out.view(*x.shape[:-1], out.shape[-1])
 
 
+@dataclass
+class Int8Linear:
+    """x W^T + b with the product in 8-bit integers, for a model that never trains (a verifier): W is rounded
+    once per output row, W ~ diag(w_scale) Wq, and each input row (a token) on every call, x ~ x_scale xq with
+    x_scale = max|x| / 127, so x W^T ~ x_scale (xq Wq^T) w_scale, with xq Wq^T summed exactly in int32 (oneDNN;
+    AVX-512 VNNI does twice bfloat16's multiply-adds per instruction, and the weights are half the bytes).
+    The scale is per token, not per call: one token with a large activation would otherwise coarsen every other
+    token of the batch (the 1.5B verifier's next-token choices: 99.2 % as in bfloat16 per token, 95.2 % per
+    call), and a row's result then does not depend on the rows beside it."""
+    out_features: int
+    in_features: int
+    packed: torch.Tensor        # Wq, int8, in oneDNN's layout
+    w_scale: torch.Tensor       # (out_features,) float32
+    w_zero: torch.Tensor        # (out_features,) int32 zeros: Wq is symmetric
+    bias: torch.Tensor | None
+
+    @classmethod
+    def of(cls, weight, bias):
+        w = weight.float()
+        w_scale = w.abs().amax(1).clamp(min=1e-12) / 127
+        packed = torch.ops.onednn.qlinear_prepack((w / w_scale[:, None]).round().to(torch.int8), None)
+        return cls(*w.shape, packed, w_scale, torch.zeros(len(w), dtype=torch.int32), bias)
+
+    def __call__(self, x):
+        rows = x.reshape(-1, self.in_features)
+        x_scale = rows.abs().amax(1, keepdim=True).float().clamp_(min=1e-12) / 127  # (tokens, 1)
+        # oneDNN's x86 product takes unsigned activations: xq + 128, zero point 128
+        xq = (rows / x_scale).round_().add_(128).to(torch.uint8)
+        out = torch.ops.onednn.qlinear_pointwise(xq, 1.0, 128, self.packed, self.w_scale, self.w_zero, None, 1.0, 0,
+                                                 x.dtype, "none", [], "")
+        out.mul_(x_scale.to(x.dtype))
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def int8_unavailable_reason(device) -> str | None:
+    """Why int8 linears cannot run on `device` (None when they can)."""
+    if device.type != "cpu":
+        return f"they run on a CPU (oneDNN), and the model is on {device}"
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.onednn, "qlinear_prepack")):
+        return f"this PyTorch ({torch.__version__}) has no oneDNN int8 product (torch.ops.onednn.qlinear_pointwise)"
+    return None
+
+
 def cpu_packing_available(dtype, device) -> bool:
     # oneDNN's weight packing is internal to PyTorch (inductor's CPU linears use it), hence the guard
     return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
@@ -295,11 +346,11 @@ class Layer:
     """One block's tensors. q, k, v are one Linear stacked along the output and so are gate and up: one
     matrix product over the block's input instead of three (two), the same numbers at fewer, larger calls."""
     input_norm: torch.Tensor
-    qkv: Linear      # rows of q, then k, then v
-    o: Linear
+    qkv: Linear | Int8Linear      # rows of q, then k, then v
+    o: Linear | Int8Linear
     post_norm: torch.Tensor
-    gate_up: Linear  # rows of gate, then up
-    down: Linear
+    gate_up: Linear | Int8Linear  # rows of gate, then up
+    down: Linear | Int8Linear
 
 
 @dataclass
@@ -307,7 +358,7 @@ class Weights:
     embed: torch.Tensor
     layers: list[Layer]
     norm: torch.Tensor
-    head: Linear
+    head: Linear | Int8Linear
     eps: float
     n_heads: int
     n_kv_heads: int
@@ -321,10 +372,11 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def model_weights(model, dtype: torch.dtype, pack: bool = True) -> Weights:
+def model_weights(model, dtype: torch.dtype, pack: bool = True, int8: bool = False) -> Weights:
     """The model's tensors in `dtype`: the parameters themselves when the dtype matches, else one cast copy each.
     Stacked and packed weights (Linear) are new tensors, made on every call: a training policy's weights change
-    between calls. pack=False: no oneDNN packing (the plain F.linear path, for comparison)."""
+    between calls. pack=False: no oneDNN packing (the plain F.linear path, for comparison). int8: every linear
+    layer, the head too, an Int8Linear (the embedding stays in `dtype`: a lookup, not a product)."""
     cast = {}
     pack = pack and cpu_packing_available(dtype, next(model.parameters()).device)
 
@@ -341,6 +393,8 @@ def model_weights(model, dtype: torch.dtype, pack: bool = True) -> Weights:
         bias = None if all(b is None for b in biases) else torch.cat(
             [torch.zeros(len(m.weight), dtype=dtype, device=weight.device) if b is None else b
              for m, b in zip(modules, biases)])
+        if int8:
+            return Int8Linear.of(weight, bias)
         if pack:  # the stacked weight is dropped once packed: only the packed copy is read
             return Linear(*weight.shape, None, bias, torch.ops.mkldnn._reorder_linear_weight(weight))
         return Linear(*weight.shape, weight, bias)
@@ -354,21 +408,21 @@ def model_weights(model, dtype: torch.dtype, pack: bool = True) -> Weights:
                    body.rotary_emb.inv_freq.float(), float(body.rotary_emb.attention_scaling))
 
 
-_KEPT = weakref.WeakKeyDictionary()  # model -> (dtype, its parameters' storage and versions, Weights): frozen=True
+_KEPT = weakref.WeakKeyDictionary()  # model -> ((dtype, int8), its parameters' storage and versions, Weights)
 
 
-def kept_weights(model, dtype: torch.dtype) -> Weights:
-    """model_weights(model, dtype), made once and reused while no parameter has changed: every in-place write
+def kept_weights(model, dtype: torch.dtype, int8: bool = False) -> Weights:
+    """model_weights(model, dtype, int8=int8), made once and reused while no parameter has changed: every in-place write
     to a tensor (an optimizer step, load_state_dict) bumps its version counter, and a move gives new storage.
     A packed 1.5B model takes 2-3 s to pack on a CPU, on every call of a verifier that never trains."""
     parameters = list(model.parameters())
     if any(p.is_inference() for p in parameters):  # inference tensors keep no version counter to check
-        return model_weights(model, dtype)
+        return model_weights(model, dtype, int8=int8)
     versions = tuple((p.data_ptr(), p._version) for p in parameters)  # .to() moves storage: a new pointer
     kept = _KEPT.get(model)
-    if kept is None or kept[:2] != (dtype, versions):
+    if kept is None or kept[:2] != ((dtype, int8), versions):
         _KEPT.pop(model, None)  # free the old copy before making the new one
-        kept = _KEPT[model] = (dtype, versions, model_weights(model, dtype))
+        kept = _KEPT[model] = ((dtype, int8), versions, model_weights(model, dtype, int8=int8))
     return kept[2]
 
 
@@ -532,7 +586,7 @@ def cache_bytes_per_row(model, length: int, dtype) -> int:
 
 
 def _generate_kv(model, prompt_ids, n, sampling: Sampling, *, prompt_seeds, eos_ids, dtype, memory_budget,
-                 compile, progress, frozen):
+                 compile, progress, frozen, int8):
     device = next(model.parameters()).device
     dtype = dtype or next(model.parameters()).dtype
     longest = max(map(len, prompt_ids))
@@ -546,7 +600,7 @@ def _generate_kv(model, prompt_ids, n, sampling: Sampling, *, prompt_seeds, eos_
     if wave_rows < 1:
         raise ValueError(f"memory_budget={budget} bytes holds no row of {length} tokens ({per_row} bytes); "
                          f"raise memory_budget or lower max_new_tokens")
-    w = kept_weights(model, dtype) if frozen else model_weights(model, dtype)
+    w = kept_weights(model, dtype, int8) if frozen else model_weights(model, dtype, int8=int8)
     run = Run(w, rotary_tables(w, length, dtype), compiled_forward(device.type) if compile else forward,
               device.type == "cuda" and not compile,
               torch.tensor(eos_ids, dtype=torch.long, device=device), dtype, device)

@@ -44,7 +44,7 @@ from answers import extract_answer, is_equiv
 from files import DataError, append_jsonl, drop_torn_tail, jsonl_objects, keep_jsonl, read_jsonl_rows, write_atomically
 from grpo import bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from model import ModelLoadError, check_hub, check_spec, load_model
-from sampler import generate
+from sampler import generate, int8_unavailable_reason
 from sandbox import SandboxPool
 from study import collect, report, stratified
 from verifier import DOMAINS as VERIFIER_DOMAINS
@@ -308,6 +308,9 @@ class Config:
                                "labels and rewards of verifying all, at fewer verifier prompts (one or two calls a step)")
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
+    verifier_int8: bool = option(False, "the verifier's matrix products in 8-bit integers (weights per row, activations "
+                                 "per token; CPU, kv backend): faster prefill and decode, next tokens close to "
+                                 "bfloat16's (README: how close, how fast)")
     sandbox_timeout: float = option(5.0, "seconds each verifier program may run", POSITIVE)
     # optimisation (GRPO)
     lr: float = option(5e-7, "peak learning rate (AdamW, cosine schedule over optimizer steps)", NON_NEGATIVE)
@@ -341,7 +344,8 @@ PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 PRESETS = {
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
     "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=3, max_steps=4,
-                max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
+                max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, verifier_int8=True,
+                lr=2e-6,
                 eval_samples=0, save_every=3,
                 micro_batch_tokens=4096, mini_batch_questions=2),
     "none": {},
@@ -435,6 +439,8 @@ def new_config(given: dict) -> Config:
         cfg.n_train = min(cfg.n_train, given.get("n_votes", cfg.n_votes))
     for key, value in given.items():
         setattr(cfg, key, value)
+    if "verifier_int8" not in given and (cfg.backend == "hf" or _has_gpu()):
+        cfg.verifier_int8 = False  # the preset's int8 verifier is the kv sampler's on a CPU
     cfg.preset = preset
     check_config(cfg)
     if not cfg.run_name:
@@ -493,6 +499,9 @@ def check_config(cfg: Config, source: str = ""):
     try:
         for f in fields(Config):
             check_value(f.name, getattr(cfg, f.name))
+        if cfg.verifier_int8 and cfg.backend == "hf":
+            raise OptionError("--verifier-int8: the int8 products are the kv sampler's; add --backend kv or "
+                              "--no-verifier-int8")
         if cfg.n_train > cfg.n_votes:
             raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes ({cfg.n_votes}); "
                               f"M rollouts are kept out of the N sampled")
@@ -795,11 +804,14 @@ def build_verifier(cfg: Config, device, loaded=None):
     loaded: the verifier's (model, tokenizer) when already in memory (--study: its policy never trains)."""
     if not cfg.verify or (cfg.eval_only and not cfg.eval_samples):
         return None
+    if cfg.verifier_int8 and (reason := int8_unavailable_reason(torch.device(device))):
+        raise OptionError(f"--verifier-int8: {reason}; pass --no-verifier-int8 (a bfloat16 verifier)")
     spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
     vmodel, vtok = loaded or load_model(spec, dtype=sample_dtype(cfg))
     vmodel.requires_grad_(False).to(device)
     return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,
-                          temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed, backend=cfg.backend)
+                          temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed, backend=cfg.backend,
+                          int8=cfg.verifier_int8)
 
 
 def check_prompts_fit(records: list[dict], tokenizer, model, cfg: Config):

@@ -1158,7 +1158,7 @@ def test_nucleus_keeps_the_same_tokens_as_transformers():
 def test_a_frozen_model_is_packed_once_and_again_after_a_parameter_changes(monkeypatch):
     model = small_vocab_model().to(torch.bfloat16)
     made = []
-    monkeypatch.setattr(sampler, "model_weights", lambda *args, real=sampler.model_weights: made.append(1) or real(*args))
+    monkeypatch.setattr(sampler, "model_weights", lambda *args, real=sampler.model_weights, **kw: made.append(1) or real(*args, **kw))
     options = dict(n=2, max_new_tokens=8, seed=0, ignore_eos=True, dtype=torch.bfloat16)
     first, again = (generate(model, None, SMALL_PROMPTS, frozen=True, **options) for _ in range(2))
     assert len(made) == 1 and token_rows(first) == token_rows(again)
@@ -1183,6 +1183,56 @@ def test_packed_cpu_weights_sample_what_plain_products_sample(monkeypatch):
     plain = generate(model, None, SMALL_PROMPTS, **options)
     assert token_rows(packed) == token_rows(plain)
     assert [[c.logprob for c in g] for g in packed] == [[c.logprob for c in g] for g in plain]
+
+
+def test_int8_products_are_close_and_each_token_is_scaled_alone():
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(96, 64), torch.randn(96), torch.randn(5, 64)
+    x[2, 7] = 300.0  # one token with a large activation, as a model's first token has
+    lin = sampler.Int8Linear.of(weight, bias)
+    out, exact = lin(x), x @ weight.T + bias
+    assert ((out - exact).norm(dim=1) / exact.norm(dim=1)).max() < 0.02  # one scale per call would round rows 0, 1, 3, 4 to 0
+    assert all(torch.equal(out[i], lin(x[i:i + 1])[0]) for i in range(len(x)))  # a row's result ignores its neighbours
+
+
+def last_logits(w, prompt):
+    """The next-token logits after `prompt` from the kv sampler's forward pass on weights `w`, in bfloat16."""
+    columns = torch.arange(len(prompt))
+    cache = sampler.KVCache.zeros(w, 1, len(prompt), torch.bfloat16, "cpu")
+    mask = (columns[None, :] <= columns[:, None])[None, None]
+    with torch.inference_mode():
+        return sampler.forward(w, torch.tensor([prompt]), columns[None], columns, cache, mask,
+                               sampler.rotary_tables(w, len(prompt), torch.bfloat16))[0].float()
+
+
+def test_an_int8_model_gives_nearly_the_logits_of_bfloat16():
+    model = small_vocab_model().to(torch.bfloat16)
+    plain, int8 = (sampler.model_weights(model, torch.bfloat16, int8=q) for q in (False, True))
+    linears = [int8.head] + [getattr(layer, name) for layer in int8.layers for name in ("qkv", "o", "gate_up", "down")]
+    assert all(isinstance(lin, sampler.Int8Linear) for lin in linears)
+    for prompt in SMALL_PROMPTS:
+        a, b = last_logits(plain, prompt), last_logits(int8, prompt)
+        assert (a - b).norm() / a.norm() < 0.05 and a.argmax() == b.argmax()
+
+
+def test_a_frozen_model_keeps_its_int8_and_bfloat16_copies_apart():
+    model = small_vocab_model().to(torch.bfloat16)
+    options = dict(n=2, max_new_tokens=8, seed=0, ignore_eos=True, dtype=torch.bfloat16)
+    logprobs = lambda result: [[c.logprob for c in group] for group in result]  # noqa: E731
+    int8 = generate(model, None, SMALL_PROMPTS, frozen=True, int8=True, **options)
+    assert sampler._KEPT[model][0] == (torch.bfloat16, True)
+    plain = generate(model, None, SMALL_PROMPTS, frozen=True, **options)
+    assert sampler._KEPT[model][0] == (torch.bfloat16, False)
+    assert logprobs(plain) == logprobs(generate(model, None, SMALL_PROMPTS, **options)) != logprobs(int8)
+
+
+def test_int8_is_refused_off_the_kv_sampler_and_off_the_cpu():
+    model = small_vocab_model()
+    with pytest.raises(ValueError, match="int8 apply to backend 'kv'"):
+        generate(model, None, SMALL_PROMPTS, n=1, max_new_tokens=2, backend="hf", int8=True)
+    with pytest.raises(ValueError, match="int8=True: they run on a CPU .* on meta"):
+        generate(model.to("meta"), None, SMALL_PROMPTS, n=1, max_new_tokens=2, int8=True)
+    assert sampler.int8_unavailable_reason(torch.device("cpu")) is None
 
 
 def test_greedy_sampling_takes_the_argmax():
@@ -2032,6 +2082,17 @@ def test_cpu_preset_verifies_with_the_1_5b_and_self_verification_loads_the_polic
     cfg = t3rl.parse_config(argv)
     verifier = t3rl.build_verifier(cfg, torch.device("cpu"))
     assert seen == loaded and verifier[0] == "verifier" and verifier[2] == cfg.verifier_max_new_tokens
+
+
+def test_cpu_preset_verifies_in_int8_unless_it_samples_with_hf(monkeypatch):
+    monkeypatch.setattr(t3rl, "load_model", lambda spec, dtype=None: (torch.nn.Linear(2, 2), None))
+    monkeypatch.setattr(t3rl, "model_verifier", lambda model, tok, **kw: kw)
+    assert t3rl.build_verifier(t3rl.parse_config([]), torch.device("cpu"))["int8"] is True
+    assert t3rl.build_verifier(t3rl.parse_config(["--backend", "hf"]), torch.device("cpu"))["int8"] is False
+    with pytest.raises(t3rl.OptionError, match="--verifier-int8: the int8 products are the kv sampler's"):
+        t3rl.parse_config(["--backend", "hf", "--verifier-int8"])
+    with pytest.raises(t3rl.OptionError, match="--verifier-int8: they run on a CPU .* --no-verifier-int8"):
+        t3rl.build_verifier(t3rl.parse_config([]), torch.device("meta"))
 
 
 def test_paper_preset_follows_the_paper():

@@ -579,8 +579,10 @@ class VerifierText(str):
         return self
 
 
-def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p=0.95, seed=None, backend="kv"):
+def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p=0.95, seed=None, backend="kv",
+                   int8=False):
     """A verifier callable: list of user messages -> list of VerifierText, one batched sampler call.
+    int8: the kv sampler's products in 8-bit integers (sampler.Int8Linear; a CPU only): the verifier never trains.
 
     Each message is put in the model's chat template after its system prompt (VerifierPrompt.system; a plain
     string gets VERIFIER_SYSTEM). With a seed, call k of the
@@ -595,7 +597,8 @@ def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p
                                                add_generation_prompt=True) for m in messages]
         groups = generate(model, tokenizer, chats, n=1, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, seed=None if seed is None else seed + calls, backend=backend,
-                          progress="verifier" if backend == "kv" else None, frozen=True)
+                          progress="verifier" if backend == "kv" else None, frozen=True,
+                          **({"int8": True} if int8 else {}))
         calls += 1
         return [VerifierText(group[0].text, group[0].num_tokens) for group in groups]
 

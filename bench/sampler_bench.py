@@ -4,7 +4,7 @@ matmul rate), and, with --verifier-prompts, the kv sampler against its older sel
 step's verifier prompts.
 
     python sampler.py --bench [--n 8 32] [--dtypes float32 bfloat16] [--compile]
-    python sampler.py --bench --verifier-prompts [--max-new-tokens 256] [--baseline REV]
+    python sampler.py --bench --verifier-prompts [--max-new-tokens 256] [--baseline REV] [--int8]
 """
 import argparse
 import json
@@ -196,9 +196,10 @@ def prefill_flop(model, tokens: int) -> int:
     return 2 * body * tokens
 
 
-def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, baseline_rev):
+def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, baseline_rev, int8=False):
     """Old (git revision baseline_rev) against new sampler on the verifier prompts of one step: prefill alone
-    (max_new_tokens=1), then whole verifier generations, seeded, so both paths give the same tokens."""
+    (max_new_tokens=1), then whole verifier generations, seeded, so both paths give the same tokens. int8: a
+    third path, the new sampler with int8 products (--verifier-int8), whose tokens differ from bfloat16's."""
     device = torch.device(device)
     model, tokenizer = bench_model(spec, device)
     if tokenizer is None:  # random weights: the embedded model's tokenizer (Qwen2.5's vocabulary) writes the prompts
@@ -212,15 +213,19 @@ def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, base
           f"{total} tokens (mean {total / len(prompts):.0f}), {own} of them after a shared start; "
           f"matmul rate {matmul_rate / 1e9:.0f} GFLOP/s")
     options = dict(n=1, temperature=0.6, top_p=0.95, seed=0, dtype=dtype)
-    paths = [(f"old ({baseline_rev})", baseline_sampler(baseline_rev)), ("new", sampler)]
+    paths = [(f"old ({baseline_rev})", baseline_sampler(baseline_rev), {}), ("new", sampler, dict(frozen=True))]
+    paths += [("new int8", sampler, dict(frozen=True, int8=True))] * int8
     results = {}
-    for label, module in paths:
-        prefill_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options)
+    for label, module, extra in paths:
+        if extra:  # the verifier's weights (packed, or int8) are made on its first call and kept: not timed
+            module.generate(model, None, prompts[:1], max_new_tokens=1, **options, **extra)
+        prefill_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options, **extra)
         total_s = prefill_s
         if max_new_tokens > 1:
-            total_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=max_new_tokens, **options)
+            total_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=max_new_tokens, **options,
+                                  **extra)
         results[label] = (prefill_s, total_s, [g[0].token_ids for g in out])
-    (old_label, old), (new_label, new) = results.items()
+    (old_label, old), (new_label, new) = list(results.items())[:2]
     same_tokens = old[2] == new[2]
     generated = {label: sum(map(len, tokens)) for label, (_, _, tokens) in results.items()}
     print(f"{max_new_tokens} new tokens at most; generated: " + ", ".join(
@@ -234,10 +239,11 @@ def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, base
             print(f"{label:<16} {clock:>4} {prefill_s[i]:>9.1f} {total / prefill_s[i]:>12.0f} "
                   f"{prefill_flop(model, ran) / prefill_s[i] / matmul_rate:>13.2f} {total_s[i]:>8.1f} "
                   f"{total_s[i] / len(prompts):>9.2f}")
-    per_token = generated[new_label] / generated[old_label]  # seeded bfloat16 paths part after a while
-    print("new / old: " + ", ".join(f"{clock} prefill {new[0][i] / old[0][i]:.2f}, total {new[1][i] / old[1][i]:.2f}"
-                                    f" (per generated token {new[1][i] / old[1][i] / per_token:.2f})"
-                                    for clock, i in (("wall", 0), ("cpu", 1))))
+    for label, base_label in [(new_label, old_label)] + [("new int8", new_label), ("new int8", old_label)] * int8:
+        (new, old), per_token = (results[label], results[base_label]), generated[label] / generated[base_label]
+        print(f"{label} / {base_label}: " + ", ".join(  # seeded paths part after a while: per generated token too
+            f"{clock} prefill {new[0][i] / old[0][i]:.2f}, total {new[1][i] / old[1][i]:.2f} (per generated token "
+            f"{new[1][i] / old[1][i] / per_token:.2f})" for clock, i in (("wall", 0), ("cpu", 1))))
     print("x matmul rate: the prefill's matrix products on the tokens each path runs, per second, over the rate of "
           "one large matmul; cpu: this process's CPU seconds (with one thread, what a shared machine's wall clock "
           "inflates least)")
@@ -269,10 +275,11 @@ def main():
     parser.add_argument("--problems", type=int, default=8, help="--verifier-prompts: demo problems")
     parser.add_argument("--rollouts", type=int, default=4, help="--verifier-prompts: written rollouts per problem")
     parser.add_argument("--baseline", default=BASELINE_REV, help="--verifier-prompts: git revision of the old path")
+    parser.add_argument("--int8", action="store_true", help="--verifier-prompts: add the new path with int8 products")
     args = parser.parse_args()
     dtypes = [getattr(torch, name) for name in args.dtypes]
     if args.verifier_prompts:
         bench_verifier(args.model_config, args.device, dtypes[0], args.max_new_tokens, args.problems, args.rollouts,
-                       args.baseline)
+                       args.baseline, args.int8)
     else:
         bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile, dtypes)

@@ -8,7 +8,7 @@ without sampling; --demo shows one verification step by step. --steps RUN verifi
 rollouts of a run twice with its verifier, every rollout (as --verify-budget says) and lazily (--lazy-verify:
 only what can change the vote), and prints seconds, prompts, tokens and whether the labels agree.
 
-    python verifier.py --measure [--bench knk] [--problems 60] [--verifiers coder-0.5b coder-1.5b]
+    python verifier.py --measure [--bench knk] [--problems 60] [--verifiers coder-0.5b coder-1.5b] [--int8]
     python verifier.py --demo
     python verifier.py --steps runs/RUN
 """
@@ -60,10 +60,11 @@ def wrong_answer(problem, gold):
     return next((n for n in re.findall(r"\d+", problem) if not same_answer(n, gold)), "0")
 
 
-def offline_verifier(name, max_new_tokens, seed):
-    """A model_verifier around a --model value, loaded in bfloat16 (as the loop loads its verifier)."""
+def offline_verifier(name, max_new_tokens, seed, int8=False):
+    """A model_verifier around a --model value, loaded in bfloat16 (as the loop loads its verifier); int8: its
+    products in 8-bit integers (--verifier-int8)."""
     model, tokenizer = load_model(name, dtype=torch.bfloat16)
-    return model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+    return model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=max_new_tokens, seed=seed, int8=int8)
 
 
 def verifier_scores(results, kinds):
@@ -113,20 +114,21 @@ def logged_verifier(log_path, name):
 
 
 def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500", log_path="runs/verifier-measure.jsonl",
-            rescore=None):
+            rescore=None, int8=False):
     """Verify a correct and a wrong short solution per problem with each verifier in `names`, on the same
     rollouts; print recall, false-verify rate, precision, status counts and costs, and log every program.
     bench: math500 (levels 1-5, Python programs) or knk (puzzles, SMT-LIB2 scripts for z3). rescore: a log
-    of an earlier run, whose completions are scored again instead of sampling new ones."""
+    of an earlier run, whose completions are scored again instead of sampling new ones. int8: each verifier
+    twice, in bfloat16 and with int8 products (rows "NAME int8")."""
     problems, rollouts, answers, kinds, levels = measure_rollouts(count, bench)
     what = "knk puzzles (wrong: one person flipped)" if bench == "knk" else "MATH-500 problems of levels 1-5"
     print(f"{len(rollouts)} rollouts: {len(rollouts) // 2} {what}, a correct and a wrong answer each; " +
           (f"completions replayed from {rescore}" if rescore else f"up to {max_new_tokens} verifier tokens, seed {seed}"))
     rows = []
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    for name in names:
+    for name in [label for name in names for label in ((name, f"{name} int8") if int8 else (name,))]:
         verifier, seconds = logged_verifier(rescore, name) if rescore else (
-            offline_verifier(name, max_new_tokens, seed), None)
+            offline_verifier(name.removesuffix(" int8"), max_new_tokens, seed, int8=name.endswith(" int8")), None)
         start = time.perf_counter()
         results = verify_batch(problems, rollouts, answers, verifier, domain="knk" if bench == "knk" else "math")
         wall = time.perf_counter() - start
@@ -148,15 +150,15 @@ def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500", log
 def print_measure(rows):
     """The --measure tables: status counts per verifier and kind of answer, then scores and costs."""
     shown = [s for s in STATUSES_VERIFY if s != "no_answer"]
-    print(f"\n{'verifier':<12}{'answers':<9}" + "".join(f"{s:>11}" for s in shown))
+    print(f"\n{'verifier':<16}{'answers':<9}" + "".join(f"{s:>11}" for s in shown))
     for name, scores, *_ in rows:
         for kind in ("correct", "wrong"):
-            print(f"{name:<12}{kind:<9}" + "".join(f"{scores['status'][kind][s]:>11}" for s in shown))
-    print(f"\n{'verifier':<12}{'recall':>8}{'false-verify':>14}{'precision':>11}{'tokens/rollout':>16}{'s/rollout':>11}"
+            print(f"{name:<16}{kind:<9}" + "".join(f"{scores['status'][kind][s]:>11}" for s in shown))
+    print(f"\n{'verifier':<16}{'recall':>8}{'false-verify':>14}{'precision':>11}{'tokens/rollout':>16}{'s/rollout':>11}"
           f"   recall by level " + "-".join(map(str, rows[0][2])))
     for name, scores, by_level, tokens, seconds in rows:
         precision = "-" if scores["precision"] is None else f"{scores['precision']:.0%}"
-        print(f"{name:<12}{scores['recall']:>8.0%}{scores['false_verify']:>14.0%}{precision:>11}{tokens:>16.0f}"
+        print(f"{name:<16}{scores['recall']:>8.0%}{scores['false_verify']:>14.0%}{precision:>11}{tokens:>16.0f}"
               f"{seconds:>11.1f}   " + " ".join(f"{x:.0%}" for x in by_level.values()))
 
 
@@ -191,9 +193,9 @@ def replay_steps(run_dir, seed):
     # greedy, so that both ways write the same program for a rollout they both verify (up to bfloat16 rounding,
     # which depends on the batch) and differ only in which rollouts they verify
     verify = model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=cfg["verifier_max_new_tokens"],
-                            temperature=0.0, seed=seed)
+                            temperature=0.0, seed=seed, int8=cfg.get("verifier_int8", False))
     verify(["What is 1 + 1?"])  # the weights are packed once, on the first call; keep that out of both timings
-    print(f"{run_dir}: verifier {name} (greedy), omega {cfg['omega']}, budget {cfg['verify_budget']}, "
+    print(f"{run_dir}: verifier {name}{' int8' if cfg.get('verifier_int8') else ''} (greedy), omega {cfg['omega']}, budget {cfg['verify_budget']}, "
           f"{cfg['verifier_max_new_tokens']} tokens; sample s is the run's own")
     print(f"{'step':>4} {'sample s':>9} {'all s':>7} {'lazy s':>7} {'lazy/all':>8} {'prompts':>9} {'calls':>5} "
           f"{'tokens':>11} {'labels':>6} on the same programs")
@@ -252,13 +254,15 @@ def main():
                         help="--measure: MATH-500 (Python programs) or knk puzzles (SMT-LIB2 scripts for z3)")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="verifier generation limit (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the verifier (default 0)")
+    parser.add_argument("--int8", action="store_true", help="--measure: each verifier also with its products in "
+                        "8-bit integers (--verifier-int8), on the same rollouts")
     parser.add_argument("--rescore", metavar="LOG", help="--measure: score the completions logged by an earlier "
                         "run again (after a change to program handling) instead of sampling")
     args = parser.parse_args()
     if args.measure:
         measure(args.problems, args.max_new_tokens, args.seed, args.verifiers, bench=args.bench,
                 log_path="runs/verifier-rescore.jsonl" if args.rescore else "runs/verifier-measure.jsonl",
-                rescore=args.rescore)
+                rescore=args.rescore, int8=args.int8)
     elif args.demo:
         demo(args.verifiers[0], args.max_new_tokens, args.seed)
     elif args.steps:
