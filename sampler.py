@@ -37,9 +37,9 @@ Design of "kv":
   - Matrix products on the weights: q, k and v are one product on their stacked weights, and so are gate and
     up. On a CPU in bfloat16 each weight is reordered once per call into oneDNN's blocked layout, which
     F.linear would redo at every product: decode's products run 1.4-3x faster, on the same numbers. A model
-    that never trains (the verifier) may take int8=True: each product in 8-bit integers (weights rounded per
-    output row once, activations per token on the fly), faster still at prefill and decode, on numbers that
-    differ slightly from bfloat16's (README gives how much).
+    that never trains (the verifier) may take int8=True: every product in 8-bit integers, weights rounded
+    once per output row, activations per token on the fly: faster prefill and decode, on numbers that differ
+    from bfloat16's enough to lower the 1.5B verifier's recall (README), hence off by default.
   - Finished rows leave the batch: when an eighth of the batch has produced its end-of-sequence token, the
     live rows are copied to the front of the cache and the batch shrinks, so they stop costing compute.
   - The step's float32 logits and their probabilities live in two (rows, vocab) buffers allocated with the
@@ -297,8 +297,9 @@ class Int8Linear:
     x_scale = max|x| / 127, so x W^T ~ x_scale (xq Wq^T) w_scale, with xq Wq^T summed exactly in int32 (oneDNN;
     AVX-512 VNNI does twice bfloat16's multiply-adds per instruction, and the weights are half the bytes).
     The scale is per token, not per call: one token with a large activation would otherwise coarsen every other
-    token of the batch (the 1.5B verifier's next-token choices: 99.2 % as in bfloat16 per token, 95.2 % per
-    call), and a row's result then does not depend on the rows beside it."""
+    token of the batch (with every product of the 1.5B verifier in 8 bits, its next-token distribution moved
+    from bfloat16's by a KL of 0.055 a token with one scale per call, 0.002 with one per token), and a row's
+    result then does not depend on the rows beside it."""
     out_features: int
     in_features: int
     packed: torch.Tensor        # Wq, int8, in oneDNN's layout
@@ -375,8 +376,8 @@ def head_dim_of(config) -> int:
 def model_weights(model, dtype: torch.dtype, pack: bool = True, int8: bool = False) -> Weights:
     """The model's tensors in `dtype`: the parameters themselves when the dtype matches, else one cast copy each.
     Stacked and packed weights (Linear) are new tensors, made on every call: a training policy's weights change
-    between calls. pack=False: no oneDNN packing (the plain F.linear path, for comparison). int8: every linear
-    layer, the head too, an Int8Linear (the embedding stays in `dtype`: a lookup, not a product)."""
+    between calls. pack=False: no oneDNN packing (the plain F.linear path, for comparison). int8: every product,
+    the head's too, an Int8Linear (the embedding stays in `dtype`: a lookup, not a product)."""
     cast = {}
     pack = pack and cpu_packing_available(dtype, next(model.parameters()).device)
 

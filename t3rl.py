@@ -309,8 +309,8 @@ class Config:
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
     verifier_int8: bool = option(False, "the verifier's matrix products in 8-bit integers (weights per row, activations "
-                                 "per token; CPU, kv backend): faster prefill and decode, next tokens close to "
-                                 "bfloat16's (README: how close, how fast)")
+                                 "per token; CPU, kv backend): faster, but a weaker verifier (README: how much of "
+                                 "each)")
     sandbox_timeout: float = option(5.0, "seconds each verifier program may run", POSITIVE)
     # optimisation (GRPO)
     lr: float = option(5e-7, "peak learning rate (AdamW, cosine schedule over optimizer steps)", NON_NEGATIVE)
@@ -344,8 +344,7 @@ PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 PRESETS = {
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
     "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=3, max_steps=4,
-                max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, verifier_int8=True,
-                lr=2e-6,
+                max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
                 eval_samples=0, save_every=3,
                 micro_batch_tokens=4096, mini_batch_questions=2),
     "none": {},
@@ -439,8 +438,6 @@ def new_config(given: dict) -> Config:
         cfg.n_train = min(cfg.n_train, given.get("n_votes", cfg.n_votes))
     for key, value in given.items():
         setattr(cfg, key, value)
-    if "verifier_int8" not in given and (cfg.backend == "hf" or _has_gpu()):
-        cfg.verifier_int8 = False  # the preset's int8 verifier is the kv sampler's on a CPU
     cfg.preset = preset
     check_config(cfg)
     if not cfg.run_name:

@@ -2084,15 +2084,15 @@ def test_cpu_preset_verifies_with_the_1_5b_and_self_verification_loads_the_polic
     assert seen == loaded and verifier[0] == "verifier" and verifier[2] == cfg.verifier_max_new_tokens
 
 
-def test_cpu_preset_verifies_in_int8_unless_it_samples_with_hf(monkeypatch):
+def test_verifier_int8_builds_an_int8_verifier_on_a_cpu_with_the_kv_sampler_only(monkeypatch):
     monkeypatch.setattr(t3rl, "load_model", lambda spec, dtype=None: (torch.nn.Linear(2, 2), None))
     monkeypatch.setattr(t3rl, "model_verifier", lambda model, tok, **kw: kw)
-    assert t3rl.build_verifier(t3rl.parse_config([]), torch.device("cpu"))["int8"] is True
-    assert t3rl.build_verifier(t3rl.parse_config(["--backend", "hf"]), torch.device("cpu"))["int8"] is False
+    assert t3rl.build_verifier(t3rl.parse_config([]), torch.device("cpu"))["int8"] is False
+    assert t3rl.build_verifier(t3rl.parse_config(["--verifier-int8"]), torch.device("cpu"))["int8"] is True
     with pytest.raises(t3rl.OptionError, match="--verifier-int8: the int8 products are the kv sampler's"):
         t3rl.parse_config(["--backend", "hf", "--verifier-int8"])
     with pytest.raises(t3rl.OptionError, match="--verifier-int8: they run on a CPU .* --no-verifier-int8"):
-        t3rl.build_verifier(t3rl.parse_config([]), torch.device("meta"))
+        t3rl.build_verifier(t3rl.parse_config(["--verifier-int8"]), torch.device("meta"))
 
 
 def test_paper_preset_follows_the_paper():

@@ -6,11 +6,12 @@ policy verifying itself, and coder-1.5b, the paper's verifier model), prints rec
 precision, statuses and costs, and logs every completion; --rescore LOG scores a log's completions again
 without sampling; --demo shows one verification step by step. --steps RUN verifies each training step's saved
 rollouts of a run twice with its verifier, every rollout (as --verify-budget says) and lazily (--lazy-verify:
-only what can change the vote), and prints seconds, prompts, tokens and whether the labels agree.
+only what can change the vote), and prints seconds, prompts, tokens and whether the labels agree (--int8: the
+verifier's products in 8-bit integers, as --verifier-int8 runs it).
 
     python verifier.py --measure [--bench knk] [--problems 60] [--verifiers coder-0.5b coder-1.5b] [--int8]
     python verifier.py --demo
-    python verifier.py --steps runs/RUN
+    python verifier.py --steps runs/RUN [--int8]
 """
 import argparse
 import json
@@ -175,12 +176,13 @@ def demo(name, max_new_tokens, seed):
           f"{extract_answer(rollout)!r}; {result.tokens} verifier tokens in {result.seconds:.1f} s")
 
 
-def replay_steps(run_dir, seed):
+def replay_steps(run_dir, seed, int8=False):
     """--steps: per step of the run, its rollouts verified by its verifier model (as its config says) with and
     without laziness, alternating, so the two share whatever else the machine does."""
     import t3rl  # the run's benchmark and config; only this mode needs them
     from voting import weighted_vote
     cfg = json.load(open(os.path.join(run_dir, "config.json")))
+    int8 = int8 or cfg.get("verifier_int8", False)
     records = {rec["id"]: rec for rec in t3rl.load_bench(cfg["bench"])}
     domain = t3rl.domain_of(cfg["bench"]).name
     classes = verifier.DOMAINS[domain].classes
@@ -193,9 +195,9 @@ def replay_steps(run_dir, seed):
     # greedy, so that both ways write the same program for a rollout they both verify (up to bfloat16 rounding,
     # which depends on the batch) and differ only in which rollouts they verify
     verify = model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=cfg["verifier_max_new_tokens"],
-                            temperature=0.0, seed=seed, int8=cfg.get("verifier_int8", False))
+                            temperature=0.0, seed=seed, int8=int8)
     verify(["What is 1 + 1?"])  # the weights are packed once, on the first call; keep that out of both timings
-    print(f"{run_dir}: verifier {name}{' int8' if cfg.get('verifier_int8') else ''} (greedy), omega {cfg['omega']}, budget {cfg['verify_budget']}, "
+    print(f"{run_dir}: verifier {name}{' int8' if int8 else ''} (greedy), omega {cfg['omega']}, budget {cfg['verify_budget']}, "
           f"{cfg['verifier_max_new_tokens']} tokens; sample s is the run's own")
     print(f"{'step':>4} {'sample s':>9} {'all s':>7} {'lazy s':>7} {'lazy/all':>8} {'prompts':>9} {'calls':>5} "
           f"{'tokens':>11} {'labels':>6} on the same programs")
@@ -255,7 +257,7 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=512, help="verifier generation limit (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the verifier (default 0)")
     parser.add_argument("--int8", action="store_true", help="--measure: each verifier also with its products in "
-                        "8-bit integers (--verifier-int8), on the same rollouts")
+                        "8-bit integers (--verifier-int8), on the same rollouts; --steps: the verifier in int8")
     parser.add_argument("--rescore", metavar="LOG", help="--measure: score the completions logged by an earlier "
                         "run again (after a change to program handling) instead of sampling")
     args = parser.parse_args()
@@ -266,6 +268,6 @@ def main():
     elif args.demo:
         demo(args.verifiers[0], args.max_new_tokens, args.seed)
     elif args.steps:
-        replay_steps(args.steps, args.seed)
+        replay_steps(args.steps, args.seed, args.int8)
     else:
         parser.print_help()
