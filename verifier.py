@@ -582,11 +582,11 @@ class VerifierText(str):
 def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p=0.95, seed=None, backend="kv",
                    int8=False):
     """A verifier callable: list of user messages -> list of VerifierText, one batched sampler call.
-    int8: the kv sampler's products in 8-bit integers (sampler.Int8Linear; a CPU only): the verifier never trains.
 
     Each message is put in the model's chat template after its system prompt (VerifierPrompt.system; a plain
     string gets VERIFIER_SYSTEM). With a seed, call k of the
-    callable samples with seed + k, so repeated calls (training steps) differ but a run repeats."""
+    callable samples with seed + k, so repeated calls (training steps) differ but a run repeats. int8: the kv
+    sampler's products in 8-bit integers (sampler.Int8Linear, a CPU only; faster, but a weaker verifier)."""
     from sampler import generate  # torch is needed only once a model verifier is built
     calls = 0
 
@@ -597,8 +597,7 @@ def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p
                                                add_generation_prompt=True) for m in messages]
         groups = generate(model, tokenizer, chats, n=1, max_new_tokens=max_new_tokens, temperature=temperature,
                           top_p=top_p, seed=None if seed is None else seed + calls, backend=backend,
-                          progress="verifier" if backend == "kv" else None, frozen=True,
-                          **({"int8": True} if int8 else {}))
+                          progress="verifier" if backend == "kv" else None, frozen=True, int8=int8)
         calls += 1
         return [VerifierText(group[0].text, group[0].num_tokens) for group in groups]
 
