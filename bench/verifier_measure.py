@@ -127,9 +127,10 @@ def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500", log
           (f"completions replayed from {rescore}" if rescore else f"up to {max_new_tokens} verifier tokens, seed {seed}"))
     rows = []
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    for name in [label for name in names for label in ((name, f"{name} int8") if int8 else (name,))]:
+    for model_name, in_int8 in [(model_name, q) for model_name in names for q in ((False, True) if int8 else (False,))]:
+        name = f"{model_name} int8" if in_int8 else model_name  # its rows in the tables and the log
         verifier, seconds = logged_verifier(rescore, name) if rescore else (
-            offline_verifier(name.removesuffix(" int8"), max_new_tokens, seed, int8=name.endswith(" int8")), None)
+            offline_verifier(model_name, max_new_tokens, seed, int8=in_int8), None)
         start = time.perf_counter()
         results = verify_batch(problems, rollouts, answers, verifier, domain="knk" if bench == "knk" else "math")
         wall = time.perf_counter() - start
