@@ -25,8 +25,8 @@ key=answer_key, same=same_answer) buckets by key and joins the buckets that only
 answer_key is canonical (a percent is its number of percent, not a pairwise "9% ~ 9 and ~ 0.09" rule), so
 "the same answer" stays an equivalence, as voting.py requires.
 
-`python answers.py --bench-equiv` (bench/answers_bench.py) measures is_equiv on the labelled set
-data/equiv_cases.jsonl against bare math-verify and plain string matching.
+`python -m bench.answers` measures is_equiv on the labelled set data/equiv_cases.jsonl against bare
+math-verify and plain string matching.
 """
 
 import functools
@@ -596,7 +596,3 @@ def same_answer(a, b):
     key_a, key_b = sorted((answer_key(a), answer_key(b)))
     return _keys_equiv(key_a, key_b, EQUIV_TIME_LIMIT_S)
 
-
-if __name__ == "__main__":
-    from bench.answers_bench import main
-    main()

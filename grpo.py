@@ -43,10 +43,10 @@ resolution near 1 (2^-8), so updates applied to bfloat16 weights would round awa
 
     optimizer = make_optimizer(model, lr=5e-7)
     scheduler = cosine_schedule(optimizer, total_steps=100, warmup_steps=0)
-    metrics = grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_size=8,
-                        mini_batch_groups=1, temperature=0.6)
+    settings = GRPOSettings(group_size=8, mini_batch_groups=1, temperature=0.6)
+    metrics = grpo_step(model, optimizer, scheduler, Rollouts(prompts, completions, rewards), settings)
 
-`python grpo.py --bench` times one update of the embedded 0.5B model (bench/grpo_bench.py).
+`python -m bench.grpo` times one update of the embedded 0.5B model.
 """
 import math
 import time
@@ -57,6 +57,91 @@ from functools import partial
 import torch
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+# ----------------------------------------------------------------------------- the update
+
+@dataclass(frozen=True)
+class GRPOSettings:
+    """How grpo_step updates: the loss's constants (see the top of the file) and how the work is cut."""
+    group_size: int                         # M: rollouts per question; rewards come group after group
+    mini_batch_groups: int | None = None    # Q: an optimizer step per Q groups (None: one for the whole batch)
+    clip_low: float = 0.2                   # eps_low
+    clip_high: float = 0.2                  # eps_high
+    kl_coef: float = 0.0                    # beta (> 0 needs ref_model)
+    agg: str = "token-mean"                 # AGG, one of AGGREGATIONS
+    norm_len: int | None = None             # L_max of seq-mean-token-sum-norm: the rollouts' max new tokens
+    scale_advantages: bool = True           # divide by the group's std (False: Dr. GRPO)
+    temperature: float = 1.0                # T: the sampling temperature, log pi = log softmax(logits / T)
+    token_budget: int = 4096                # padded tokens per micro-batch (gradient accumulation)
+    max_grad_norm: float = 1.0
+    bf16: bool | None = None                # bfloat16 autocast over float32 weights (None: where supported)
+    gradient_checkpointing: bool = False
+    chunk_rows: int = 256                   # response rows per chunk of the output head (token_logprobs)
+
+
+def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSettings, *, accelerator=None,
+              ref_model=None) -> dict:
+    """One GRPO step on a batch of rollouts: an optimizer (and scheduler) step per mini-batch of groups.
+
+    batch: prompts and completions (token-id lists; a completion ends with EOS when it stopped there) and
+    rewards [B], group after group, B = G x group_size. The groups are cut, in order, into mini-batches of
+    mini_batch_groups groups, and mini-batch k takes optimizer step k on
+
+        L_k = AGG_{i in k, t} -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) + beta k3_it
+        rho_it = pi_theta(o_it | ...) / pi_old(o_it | ...),   pi_old = the policy before this call
+
+    (see the top of the file); log pi is taken at the sampling temperature (logits / temperature), as the
+    sampler drew. pi_old's log-probs are computed once, before the first mini-batch: in mini-batch 0,
+    pi_theta = pi_old (rho = 1, the clip never binds); from mini-batch 1 on the policy has moved and the clip
+    can bind. Inside a mini-batch, micro-batches of at most token_budget padded tokens accumulate the exact
+    mini-batch gradient.
+
+    Several processes (accelerator prepared with DDP): every process passes the whole batch and trains on
+    its share of each mini-batch (rollouts rank::world); one with no share runs one rollout at weight 0,
+    so that it still joins the gradient all-reduce. model holds float32 weights. Returns float metrics of
+    the whole batch, over all processes.
+    """
+    started, s = time.perf_counter(), settings
+    _check_step_arguments(batch, s, ref_model)
+    device = accelerator.device if accelerator is not None else next(model.parameters()).device
+    bf16 = bf16_supported(device) if s.bf16 is None else s.bf16
+    # no autocast weight cache: it would keep a bfloat16 copy of every weight alive for the whole pass (1.2 GB
+    # here); recasting per use costs less time than it saves memory (python -m bench.grpo, docs/results.md)
+    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
+    logprobs = partial(token_logprobs, temperature=s.temperature, chunk_rows=s.chunk_rows)
+    loss_fn = partial(policy_loss, clip_low=s.clip_low, clip_high=s.clip_high, agg=s.agg, kl_coef=s.kl_coef,
+                      norm_len=s.norm_len)
+
+    advantages = group_advantages(batch.rewards, s.group_size, scale=s.scale_advantages).to(device)   # [B]
+    plan = _plan(batch, advantages, s, accelerator)
+    _set_checkpointing(model, s.gradient_checkpointing)
+    was_training = model.training
+    model.train()
+    with torch.no_grad(), autocast():
+        _fix_logprobs(plan, logprobs, model, ref_model if s.kl_coef > 0 else None)
+    totals = {}  # statistic -> token-weighted sum over this process's rollouts of every mini-batch
+    for mini_batch in plan:
+        update = _mini_batch_update(model, optimizer, scheduler, mini_batch, accelerator=accelerator,
+                                    autocast=autocast, logprobs=logprobs, loss_fn=loss_fn,
+                                    max_grad_norm=s.max_grad_norm)
+        for name, value in update.items():
+            totals[name] = totals.get(name, 0.0) + value
+    model.train(was_training)
+    metrics = _step_statistics(totals, len(plan), accelerator)
+    metrics.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
+                   zero_adv_groups=float((advantages.view(-1, s.group_size) == 0).all(dim=1).float().mean()),
+                   tokens=float(sum(len(p) + len(c) for p, c in zip(batch.prompts, batch.completions))),
+                   seconds=time.perf_counter() - started)
+    return metrics
+
+
+@dataclass
+class Rollouts:
+    """The rollouts an update trains on, group after group (M per question): token ids and rewards."""
+    prompts: list[list[int]]
+    completions: list[list[int]]
+    rewards: list[float]
 
 
 # ----------------------------------------------------------------------------- pure tensor functions
@@ -295,7 +380,7 @@ def cosine_schedule(optimizer, total_steps: int, warmup_steps: int = 0, min_lr_r
     return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)
 
 
-# ----------------------------------------------------------------------------- the update
+# ----------------------------------------------------------------------------- the update's parts
 
 def bf16_supported(device: torch.device) -> bool:
     """Whether bfloat16 autocast runs natively: GPUs with bf16, CPUs with AVX-512 BF16 or AMX."""
@@ -318,76 +403,17 @@ class MicroBatch:
     ref_logp: torch.Tensor | None = None    # [b, T] log pi_ref, when kl_coef > 0
 
 
-def grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_size: int, *,
-              mini_batch_groups: int | None = None, accelerator=None, ref_model=None, kl_coef: float = 0.0,
-              clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token-mean", norm_len: int | None = None,
-              scale_advantages: bool = True, temperature: float = 1.0, token_budget: int = 4096,
-              max_grad_norm: float = 1.0, bf16: bool | None = None, gradient_checkpointing: bool = False,
-              chunk_rows: int = 256) -> dict:
-    """One GRPO step on a batch of rollouts: an optimizer (and scheduler) step per mini-batch of groups.
-
-    prompts, completions: lists of token-id lists (a completion ends with EOS when it stopped there);
-    rewards: [B] group after group, B = G x group_size. The groups are cut, in order, into mini-batches of
-    mini_batch_groups groups (None: one mini-batch), and mini-batch k takes optimizer step k on
-
-        L_k = AGG_{i in k, t} -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) + beta k3_it
-        rho_it = pi_theta(o_it | ...) / pi_old(o_it | ...),   pi_old = the policy before this call
-
-    (see the top of the file); log pi is taken at the sampling temperature (logits / temperature), as the
-    sampler drew. pi_old's log-probs are computed once, before the first mini-batch: in mini-batch 0,
-    pi_theta = pi_old (rho = 1, the clip never binds); from mini-batch 1 on the policy has moved and the clip
-    can bind. Inside a mini-batch, micro-batches of at most token_budget padded tokens accumulate the exact
-    mini-batch gradient.
-
-    Several processes (accelerator prepared with DDP): every process passes the whole batch and trains on
-    its share of each mini-batch (rollouts rank::world); one with no share runs one rollout at weight 0,
-    so that it still joins the gradient all-reduce. model holds float32 weights; bf16=None autocasts to
-    bfloat16 where the device supports it. Returns float metrics of the whole batch, over all processes.
-    """
-    started = time.perf_counter()
-    _check_step_arguments(prompts, completions, rewards, mini_batch_groups=mini_batch_groups, kl_coef=kl_coef,
-                          ref_model=ref_model, temperature=temperature)
-    _check_aggregation(agg, norm_len)
-    device = accelerator.device if accelerator is not None else next(model.parameters()).device
-    bf16 = bf16_supported(device) if bf16 is None else bf16
-    # no autocast weight cache: it would keep a bfloat16 copy of every weight alive for the whole pass (1.2 GB
-    # here); recasting per use costs less time than it saves memory (python grpo.py --bench, README)
-    autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
-    logprobs = partial(token_logprobs, temperature=temperature, chunk_rows=chunk_rows)
-    loss_fn = partial(policy_loss, clip_low=clip_low, clip_high=clip_high, agg=agg, kl_coef=kl_coef, norm_len=norm_len)
-
-    advantages = group_advantages(rewards, group_size, scale=scale_advantages).to(device)   # [B]
-    plan = _plan(prompts, completions, advantages, group_size, mini_batch_groups, agg, token_budget, accelerator)
-    _set_checkpointing(model, gradient_checkpointing)
-    was_training = model.training
-    model.train()
-    with torch.no_grad(), autocast():
-        _fix_logprobs(plan, logprobs, model, ref_model if kl_coef > 0 else None)
-    totals = {}  # statistic -> token-weighted sum over this process's rollouts of every mini-batch
-    for mini_batch in plan:
-        update = _mini_batch_update(model, optimizer, scheduler, mini_batch, accelerator=accelerator,
-                                    autocast=autocast, logprobs=logprobs, loss_fn=loss_fn, max_grad_norm=max_grad_norm)
-        for name, value in update.items():
-            totals[name] = totals.get(name, 0.0) + value
-    model.train(was_training)
-    metrics = _step_statistics(totals, len(plan), accelerator)
-    metrics.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
-                   zero_adv_groups=float((advantages.view(-1, group_size) == 0).all(dim=1).float().mean()),
-                   tokens=float(sum(len(p) + len(c) for p, c in zip(prompts, completions))),
-                   seconds=time.perf_counter() - started)
-    return metrics
-
-
-def _check_step_arguments(prompts, completions, rewards, *, mini_batch_groups, kl_coef, ref_model, temperature):
-    if not len(prompts) == len(completions) == len(rewards):
-        raise ValueError(f"grpo_step: {len(prompts)} prompts, {len(completions)} completions and {len(rewards)} "
-                         f"rewards; pass one of each per rollout")
-    if mini_batch_groups is not None and mini_batch_groups < 1:
-        raise ValueError(f"mini_batch_groups={mini_batch_groups}: must be >= 1 (or None: one mini-batch)")
-    if kl_coef > 0 and ref_model is None:
+def _check_step_arguments(batch: Rollouts, s: GRPOSettings, ref_model):
+    if not len(batch.prompts) == len(batch.completions) == len(batch.rewards):
+        raise ValueError(f"grpo_step: {len(batch.prompts)} prompts, {len(batch.completions)} completions and "
+                         f"{len(batch.rewards)} rewards; pass one of each per rollout")
+    if s.mini_batch_groups is not None and s.mini_batch_groups < 1:
+        raise ValueError(f"mini_batch_groups={s.mini_batch_groups}: must be >= 1 (or None: one mini-batch)")
+    if s.kl_coef > 0 and ref_model is None:
         raise ValueError("grpo_step: kl_coef > 0 needs ref_model (the frozen initial policy)")
-    if temperature <= 0:
-        raise ValueError(f"temperature={temperature}: pass the (positive) temperature the rollouts were sampled at")
+    if s.temperature <= 0:
+        raise ValueError(f"temperature={s.temperature}: pass the (positive) temperature the rollouts were sampled at")
+    _check_aggregation(s.agg, s.norm_len)
 
 
 def _step_statistics(totals: dict, steps: int, accelerator) -> dict:
@@ -408,14 +434,15 @@ def _step_statistics(totals: dict, steps: int, accelerator) -> dict:
     return metrics
 
 
-def _plan(prompts, completions, advantages, group_size, mini_batch_groups, agg, token_budget, accelerator):
+def _plan(batch: Rollouts, advantages, s: GRPOSettings, accelerator):
     """This process's micro-batches of each mini-batch: [[MicroBatch, ...] per optimizer step]."""
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
+    prompts, completions, group_size = batch.prompts, batch.completions, s.group_size
     groups = len(advantages) // group_size
-    per_step = mini_batch_groups or groups
+    per_step = s.mini_batch_groups or groups
 
     def size(index):  # a set of rollouts' part of L's normaliser: response tokens (token-mean) or sequences
-        return sum(len(completions[i]) for i in index) if agg == "token-mean" else len(index)
+        return sum(len(completions[i]) for i in index) if s.agg == "token-mean" else len(index)
 
     plan = []
     for first in range(0, groups, per_step):
@@ -428,7 +455,7 @@ def _plan(prompts, completions, advantages, group_size, mini_batch_groups, agg, 
             mine, share = [rollouts[0]], 0.0
         lengths = [len(prompts[i]) + len(completions[i]) for i in mine]
         plan.append([])
-        for index in micro_batches(lengths, token_budget):
+        for index in micro_batches(lengths, s.token_budget):
             index = [mine[j] for j in index]
             batch = pad_batch([prompts[i] for i in index], [completions[i] for i in index], advantages.device)
             plan[-1].append(MicroBatch(*batch, advantages[index], weight=size(index) * share))
@@ -496,7 +523,3 @@ def _mini_batch_update(model, optimizer, scheduler, micro: list[MicroBatch], *, 
     optimizer.zero_grad(set_to_none=True)
     return sums
 
-
-if __name__ == "__main__":
-    from bench.grpo_bench import main
-    main()

@@ -25,11 +25,15 @@ into that form; a claim about somebody not in the puzzle, or a person left out, 
     python knk.py --generate        # writes data/knk.jsonl: 100 puzzles, sizes 2-8, byte for byte the same
 """
 import argparse
+import inspect
 import itertools
 import json
 import os
 import random
 import re
+
+from sandbox import default_pool
+from verifier import FENCE_ANY, ToolRun, first_block
 
 NAMES = ["Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sophia", "Jack", "Harper",
          "Owen", "Aria", "Logan", "Chloe", "James", "Lily", "Henry", "Grace", "Samuel", "Scarlett", "David",
@@ -283,6 +287,179 @@ def same_answer(a, b):
 
 def is_equiv(pred, gold):
     return same_answer(pred, gold)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Knights and Knaves: the verifier writes SMT-LIB2, z3 solves it in the sandbox.
+#
+# SMT-LIB2 rather than z3's Python API: the script is data, not a program. It cannot print an answer;
+# the tool, not the script, calls the solver, reads the model and checks that it is the only one
+# (block it, solve again: unsat). So the one way to "hard-code" is to assert facts, and that is decided
+# on the solver's side: a top-level conjunct that on its own fixes one person's role. knk.py's generator
+# keeps only statements that fix nobody on their own, so an encoding of the statements never does.
+
+KNK_SYSTEM = """You are an expert in logic and a careful user of the Z3 SMT solver. You check a candidate \
+solution to a Knights and Knaves puzzle by encoding the puzzle in SMT-LIB2, so that the solver finds who is \
+a knight and who is a knave.
+
+Rules:
+1. Do NOT assume the candidate's reasoning is correct. Encode the puzzle from its statement; use the \
+reasoning only as a hint for how to read the statements.
+2. Declare one Bool constant per inhabitant, named exactly as in the puzzle, true meaning knight: \
+(declare-const Zoey Bool).
+3. For every statement assert that the speaker is a knight exactly when the statement is true: Zoey says \
+that Oliver is a knave and Ethan is a knight -> (assert (= Zoey (and (not Oliver) Ethan))). "if P then Q" \
+is (=> P Q); "P if and only if Q" is (= P Q); "or" is (or P Q). A claim about a person is that person's \
+constant: "Oliver is a knight" and "Oliver is not a knave" are Oliver; "Oliver is a knave" and "Oliver is not a \
+knight" are (not Oliver).
+4. Never assert who is a knight or a knave as a fact (no (assert Zoey), no (assert (not Oliver))): the \
+solver must derive it from the statements.
+5. Answer with exactly one code block, fenced as smt2 like the example, that ends with (check-sat) and \
+(get-model), and nothing after it.
+
+Example. Puzzle: You meet 3 inhabitants: Zoey, Oliver, and Ethan. Zoey says that Ethan is a knight or Oliver \
+is a knave. Oliver claims that Ethan is a knight or Zoey is a knave. Ethan states that Oliver is a knight and \
+Zoey is a knave.
+```smt2
+(declare-const Zoey Bool)
+(declare-const Oliver Bool)
+(declare-const Ethan Bool)
+; Zoey says that Ethan is a knight or Oliver is a knave
+(assert (= Zoey (or Ethan (not Oliver))))
+; Oliver claims that Ethan is a knight or Zoey is a knave
+(assert (= Oliver (or Ethan (not Zoey))))
+; Ethan states that Oliver is a knight and Zoey is a knave
+(assert (= Ethan (and Oliver (not Zoey))))
+(check-sat)
+(get-model)
+```"""
+
+KNK_USER = """Puzzle:
+{problem}
+
+Candidate solution (it may be wrong):
+{rollout}
+
+Write the SMT-LIB2 script that encodes the puzzle."""
+
+_FENCE_SMT = re.compile(r"```[ \t]*(?:smt2?|smt-?lib2?|lisp|scheme|z3)\b[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+
+
+def extract_smt(text):
+    """The first ```smt2 (smt, smtlib, lisp, z3) block of a verifier completion, else its first fenced block,
+    without the closing parentheses that close nothing."""
+    script = first_block(text, (_FENCE_SMT, FENCE_ANY))
+    return None if script is None else drop_unmatched_parens(script)
+
+
+def drop_unmatched_parens(script):
+    """The script without each `)` that closes nothing. Small verifiers miscount the parentheses at the end of
+    an assert (`(assert (= Zoey (not Oliver))))`), and z3 then refuses the whole script; a closer at depth 0
+    is outside every expression, so dropping it changes no command (comments and |quoted| symbols are skipped)."""
+    kept, depth, i = [], 0, 0
+    while i < len(script):
+        c = script[i]
+        skip_to = {";": "\n", "|": "|", '"': '"'}.get(c)
+        if skip_to:
+            end = script.find(skip_to, i + 1)
+            end = len(script) if end < 0 else end + 1
+            kept.append(script[i:end])
+            i = end
+            continue
+        depth += {"(": 1, ")": -1}.get(c, 0)
+        if depth < 0:
+            depth = 0
+        else:
+            kept.append(c)
+        i += 1
+    return "".join(kept)
+
+
+def smt_solve(script):
+    """Runs in the sandbox (this function's source is sent there): z3's verdict on an SMT-LIB2 script.
+
+    The script's own commands (check-sat, get-model) are ignored; its assertions are split at top-level
+    `and`s into conjuncts. Returns {"verdict": "asserts facts", "facts": [names]} when a conjunct on its own
+    forces some person's value; else {"verdict": "unsat" | "unknown"}; else the model over every Bool
+    constant (declared or used), with "unique" when blocking it leaves the assertions unsatisfiable, "not unique"
+    otherwise."""
+    import re
+
+    import z3
+    conjuncts, todo = [], list(z3.parse_smt2_string(script))
+    while todo:
+        a = todo.pop(0)
+        if z3.is_and(a):
+            todo[:0] = a.children()
+        else:
+            conjuncts.append(a)
+
+    def people(exprs):  # Bool constants the script declared, by name
+        found, seen, todo = {}, set(), list(exprs)
+        while todo:
+            e = todo.pop()
+            if e.get_id() not in seen:
+                seen.add(e.get_id())
+                if z3.is_const(e) and e.decl().kind() == z3.Z3_OP_UNINTERPRETED and z3.is_bool(e):
+                    found[str(e)] = e
+                todo += e.children()
+        return found
+
+    def satisfiable(*exprs):
+        solver = z3.Solver()
+        solver.add(*exprs)
+        return solver.check() == z3.sat
+
+    facts = sorted({name for c in conjuncts for name, x in people([c]).items()
+                    if satisfiable(c, x) != satisfiable(c, z3.Not(x))})
+    if facts:
+        return {"verdict": "asserts facts", "facts": facts}
+    solver = z3.Solver()
+    solver.add(*conjuncts)
+    verdict = solver.check()
+    if verdict != z3.sat:
+        return {"verdict": str(verdict)}
+    declared = re.findall(r"\(declare-(?:const\s+([^\s()]+)|fun\s+([^\s()]+)\s*\(\s*\))\s+Bool\s*\)", script)
+    everyone = {**{a or b: z3.Bool(a or b) for a, b in declared}, **people(conjuncts)}  # unconstrained ones too
+    model = {name: z3.is_true(solver.model().eval(x, model_completion=True)) for name, x in everyone.items()}
+    solver.add(z3.Or([x != z3.BoolVal(model[name]) for name, x in everyone.items()]))
+    return {"verdict": "unique" if solver.check() == z3.unsat else "not unique", "model": model}
+
+
+def smt_program(script):
+    """The Python program the sandbox runs for one script: smt_solve's source, then one JSON line of verdict."""
+    return f"{inspect.getsource(smt_solve)}\nimport json\nprint(json.dumps(smt_solve({script!r})))\n"
+
+
+def smt_tool(scripts, sandbox=None):
+    """Solve every script in the sandbox (one run_many call). The result t_i is the unique assignment in
+    canonical form; "unsat", "unknown" or "not unique" otherwise (a mismatch); a script that asserts facts
+    is refused ("hardcoded")."""
+    runs = (sandbox or default_pool()).run_many([smt_program(s) for s in scripts]) if scripts else []
+    tool_runs = []
+    for run in runs:
+        output = run.stdout + (("\n" if run.stdout and run.stderr else "") + run.stderr)
+        lines = run.stdout.strip().splitlines()
+        if run.status != "ok" or not lines:
+            tool_runs.append(ToolRun("timeout" if run.status == "timeout" else "error", None, output, run.duration))
+            continue
+        found = json.loads(lines[-1])
+        if found["verdict"] == "asserts facts":
+            status, result = "hardcoded", "asserts " + ", ".join(found["facts"])
+        else:
+            model = found.get("model")
+            status = "ok"
+            result = canonical(list(model), model) if found["verdict"] == "unique" else found["verdict"]
+        tool_runs.append(ToolRun(status, result, output, run.duration))
+    return tool_runs
+
+
+def smt_agrees(result, answer):
+    """The solver's unique assignment gives every person of the rollout's answer the same role (names
+    compared case-insensitively; constants the script added beyond the people do not matter)."""
+    solved = {name.lower(): role for name, role in parse_assignment(result).items()}
+    claimed = parse_assignment(answer)
+    return bool(claimed) and all(solved.get(name.lower()) == role for name, role in claimed.items())
 
 
 def main():

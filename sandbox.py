@@ -57,8 +57,8 @@ Linux only (namespaces, pidfd, prctl). Usage:
         r = pool.run("print(1)")                      # r.status, r.stdout, r.stderr, r.returncode, r.duration
     run_snippet("print(1)")                           # lazily created module-wide pool, closed at exit
 
-    python sandbox.py --selftest                      # checks the protections on this machine (bench/sandbox_bench.py)
-    python sandbox.py --bench                         # naive `python -c` vs pool: p50/p95 latency, throughput
+    python -m bench.sandbox --selftest                # checks the protections on the machine it runs on
+    python -m bench.sandbox                           # naive `python -c` vs pool: p50/p95 latency, throughput
 """
 import atexit
 import ctypes
@@ -969,9 +969,5 @@ def run_snippet(code, timeout=5.0):
     return default_pool().run(code, timeout)
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["--serve"]:  # the helper process a pool starts: it must not import the benchmarks
-        _serve(json.loads(sys.argv[2]))
-    else:
-        from bench.sandbox_bench import main
-        main()
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:  # the helper process a pool starts
+    _serve(json.loads(sys.argv[2]))

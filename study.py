@@ -38,8 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import load_bench
+from domains import domain_of
 from files import append_jsonl, drop_torn_tail, read_jsonl_rows, write_jsonl
-from voting import weighted_vote
+from runs import RunDirError
+from voting import group_metrics, weighted_vote
 
 KS = (4, 8, 16, 32, 64)
 OMEGAS = (1.0, 2.0, 5.0, 10.0, math.inf)
@@ -312,3 +315,37 @@ def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> s
     plot(run_dir / "study.png", correct, draws, ks, OMEGAS, costs, title, omega)
     return text
 
+
+def replay(run_dir: Path, omegas: list[float]) -> str:
+    """Re-vote every saved rollout group with each omega: label accuracy, reward accuracy and flips, no model
+    needed. A --study folder gets its study report (study.py) instead."""
+    if (run_dir / "study.jsonl").is_file():
+        dom = domain_of(json.loads((run_dir / "config.json").read_text())["bench"])
+        return report(run_dir, dom.classes, dom.equiv)
+    for name in ("config.json", "rollouts.jsonl"):
+        if not (run_dir / name).is_file():
+            raise RunDirError(f"--replay {run_dir}: no {name} there; pass a run folder written by t3rl.py")
+    cfg = json.loads((run_dir / "config.json").read_text())
+    gold = {r["id"]: r["answer"] for r in load_bench(cfg["bench"])}
+    groups = {}
+    for r in read_jsonl_rows(run_dir / "rollouts.jsonl"):
+        groups.setdefault((r["step"], r["id"]), []).append(r)
+    unsettled = [omega for omega in omegas if omega not in (1.0, cfg["omega"])]
+    if unsettled and any(r["status"] == "skipped" for rows in groups.values() for r in rows):
+        raise RunDirError(f"--replay {run_dir} --omega {' '.join(f'{o:g}' for o in unsettled)}: the run verified "
+                          f"lazily (--lazy-verify), so its verdicts settle the vote at omega {cfg['omega']:g} (and 1) "
+                          f"only; replay those, or train with --no-lazy-verify for the ablation")
+    lines = [f"omega ablation replayed on {len(groups)} rollout groups of {run_dir}",
+             f"{'omega':>7}{'label acc':>11}{'reward acc':>12}{'flips':>7}{'fixed':>7}{'broke':>7}"]
+    for omega in omegas:
+        totals = {"label_accuracy": 0.0, "reward_accuracy": 0.0, "flipped": 0.0, "flip_fixed": 0.0, "flip_broke": 0.0}
+        for (_, qid), rows in groups.items():
+            answers, v = [r["answer"] for r in rows], [r["v"] for r in rows]
+            vote = weighted_vote(answers, v, omega=omega, **domain_of(cfg["bench"]).classes)
+            stats = group_metrics(vote, v, gold=gold[qid], **domain_of(cfg["bench"]).classes)
+            for key in totals:
+                totals[key] += stats[key]
+        n = max(len(groups), 1)
+        lines.append(f"{omega:>7g}{totals['label_accuracy'] / n:>11.3f}{totals['reward_accuracy'] / n:>12.3f}"
+                     f"{totals['flipped']:>7.0f}{totals['flip_fixed']:>7.0f}{totals['flip_broke']:>7.0f}")
+    return "\n".join(lines)

@@ -1,3 +1,8 @@
-"""Benchmarks and measurements, kept beside the modules they measure so that those read as the concept alone.
-Each runs through its module's command line: python sampler.py --bench, python grpo.py --bench,
-python verifier.py --measure, python sandbox.py --bench, python answers.py --bench-equiv."""
+"""Benchmarks and measurements of the modules, kept out of them: they import the library, never the reverse.
+
+    python -m bench.sampler      hf and kv sampler speed; --verifier-prompts: the verifier's prompts
+    python -m bench.grpo         one GRPO update per configuration (time, peak memory)
+    python -m bench.verifier     --measure: the offline verifiers' recall; --demo; --steps RUN
+    python -m bench.sandbox      the warm pool against `python -c`; --selftest: the protections here
+    python -m bench.answers      is_equiv against bare math-verify and string matching
+"""

@@ -2,7 +2,7 @@
 answer pairs of data/equiv_cases.jsonl (accuracy, false positives and negatives, milliseconds per call, per
 category, and every case either gets wrong).
 
-    python answers.py --bench-equiv
+    python -m bench.answers
 """
 import argparse
 import json
@@ -83,10 +83,10 @@ def bench_equiv(path=EQUIV_CASES):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=answers.__doc__.split("\n")[0])
-    parser.add_argument("--bench-equiv", action="store_true", help="measure is_equiv on data/equiv_cases.jsonl")
-    args = parser.parse_args()
-    if args.bench_equiv:
-        bench_equiv()
-    else:
-        parser.print_help()
+    parser = argparse.ArgumentParser(description="measure answers.is_equiv on data/equiv_cases.jsonl")
+    parser.parse_args()
+    bench_equiv()
+
+
+if __name__ == "__main__":
+    main()

@@ -6,12 +6,11 @@ policy verifying itself, and coder-1.5b, the paper's verifier model), prints rec
 precision, statuses and costs, and logs every completion; --rescore LOG scores a log's completions again
 without sampling; --demo shows one verification step by step. --steps RUN verifies each training step's saved
 rollouts of a run twice with its verifier, every rollout (as --verify-budget says) and lazily (--lazy-verify:
-only what can change the vote), and prints seconds, prompts, tokens and whether the labels agree (--int8: the
-verifier's products in 8-bit integers, as --verifier-int8 runs it).
+only what can change the vote), and prints seconds, prompts, tokens and whether the labels agree.
 
-    python verifier.py --measure [--bench knk] [--problems 60] [--verifiers coder-0.5b coder-1.5b] [--int8]
-    python verifier.py --demo
-    python verifier.py --steps runs/RUN [--int8]
+    python -m bench.verifier --measure [--bench knk] [--problems 60] [--verifiers coder-0.5b coder-1.5b]
+    python -m bench.verifier --demo
+    python -m bench.verifier --steps runs/RUN
 """
 import argparse
 import json
@@ -23,10 +22,12 @@ from fractions import Fraction
 import torch
 
 import knk
-import verifier
 from answers import _fraction_str, answer_key, extract_answer, same_answer
 from model import load_model
-from verifier import STATUSES_VERIFY, VerifierText, model_verifier, verify_batch
+from benchmarks import load_bench
+from domains import MATH, domain_of
+from verifier import STATUSES_VERIFY, VerifierPrompt, VerifierReply, model_verifier, verify_batch
+from voting import weighted_vote
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOLUTION = ("Working through the problem step by step, the computation gives {answer}.\n\n"
@@ -61,11 +62,10 @@ def wrong_answer(problem, gold):
     return next((n for n in re.findall(r"\d+", problem) if not same_answer(n, gold)), "0")
 
 
-def offline_verifier(name, max_new_tokens, seed, int8=False):
-    """A model_verifier around a --model value, loaded in bfloat16 (as the loop loads its verifier); int8: its
-    products in 8-bit integers (--verifier-int8)."""
+def offline_verifier(name, max_new_tokens, seed):
+    """A model_verifier around a --model value, loaded in bfloat16 (as the loop loads its verifier)."""
     model, tokenizer = load_model(name, dtype=torch.bfloat16)
-    return model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=max_new_tokens, seed=seed, int8=int8)
+    return model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=max_new_tokens, seed=seed)
 
 
 def verifier_scores(results, kinds):
@@ -110,29 +110,27 @@ def logged_verifier(log_path, name):
         rows = [row for row in map(json.loads, f) if row["verifier"] == name]
     if not rows:
         raise SystemExit(f"--rescore {log_path}: no completions of verifier {name} in it")
-    replay = lambda messages: [VerifierText(row["completion"], row["tokens"]) for row in rows]  # noqa: E731
+    replay = lambda prompts: [VerifierReply(row["completion"], row["tokens"]) for row in rows]  # noqa: E731
     return replay, sum(row.get("seconds", 0.0) for row in rows) / len(rows)
 
 
 def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500", log_path="runs/verifier-measure.jsonl",
-            rescore=None, int8=False):
+            rescore=None):
     """Verify a correct and a wrong short solution per problem with each verifier in `names`, on the same
     rollouts; print recall, false-verify rate, precision, status counts and costs, and log every program.
     bench: math500 (levels 1-5, Python programs) or knk (puzzles, SMT-LIB2 scripts for z3). rescore: a log
-    of an earlier run, whose completions are scored again instead of sampling new ones. int8: each verifier
-    twice, in bfloat16 and with int8 products (rows "NAME int8")."""
+    of an earlier run, whose completions are scored again instead of sampling new ones."""
     problems, rollouts, answers, kinds, levels = measure_rollouts(count, bench)
     what = "knk puzzles (wrong: one person flipped)" if bench == "knk" else "MATH-500 problems of levels 1-5"
     print(f"{len(rollouts)} rollouts: {len(rollouts) // 2} {what}, a correct and a wrong answer each; " +
           (f"completions replayed from {rescore}" if rescore else f"up to {max_new_tokens} verifier tokens, seed {seed}"))
     rows = []
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-    for model_name, in_int8 in [(model_name, q) for model_name in names for q in ((False, True) if int8 else (False,))]:
-        name = f"{model_name} int8" if in_int8 else model_name  # its rows in the tables and the log
+    for name in names:
         verifier, seconds = logged_verifier(rescore, name) if rescore else (
-            offline_verifier(model_name, max_new_tokens, seed, int8=in_int8), None)
+            offline_verifier(name, max_new_tokens, seed), None)
         start = time.perf_counter()
-        results = verify_batch(problems, rollouts, answers, verifier, domain="knk" if bench == "knk" else "math")
+        results = verify_batch(problems, rollouts, answers, verifier, domain_of(bench))
         wall = time.perf_counter() - start
         del verifier
         by_level = {level: sum(r.v for r, k, lv in zip(results, kinds, levels) if k == "correct" and lv == level) /
@@ -169,7 +167,7 @@ def demo(name, max_new_tokens, seed):
     record = math500_by_level(5)[0]
     rollout = SOLUTION.format(answer=record["answer"])
     result = verify_batch([record["problem"]], [rollout], [extract_answer(rollout)],
-                          offline_verifier(name, max_new_tokens, seed))[0]
+                          offline_verifier(name, max_new_tokens, seed), MATH)[0]
     for title, text in (("problem", record["problem"]), ("rollout", rollout), ("program", result.code or
                         result.completion), ("sandbox output", result.output)):
         print(f"--- {title}\n{(text or '').strip()}\n")
@@ -177,16 +175,12 @@ def demo(name, max_new_tokens, seed):
           f"{extract_answer(rollout)!r}; {result.tokens} verifier tokens in {result.seconds:.1f} s")
 
 
-def replay_steps(run_dir, seed, int8=False):
+def replay_steps(run_dir, seed):
     """--steps: per step of the run, its rollouts verified by its verifier model (as its config says) with and
     without laziness, alternating, so the two share whatever else the machine does."""
-    import t3rl  # the run's benchmark and config; only this mode needs them
-    from voting import weighted_vote
     cfg = json.load(open(os.path.join(run_dir, "config.json")))
-    int8 = int8 or cfg.get("verifier_int8", False)
-    records = {rec["id"]: rec for rec in t3rl.load_bench(cfg["bench"])}
-    domain = t3rl.domain_of(cfg["bench"]).name
-    classes = verifier.DOMAINS[domain].classes
+    records = {rec["id"]: rec for rec in load_bench(cfg["bench"])}
+    domain = domain_of(cfg["bench"])
     steps = {}
     for line in open(os.path.join(run_dir, "rollouts.jsonl")):
         row = json.loads(line)
@@ -196,9 +190,9 @@ def replay_steps(run_dir, seed, int8=False):
     # greedy, so that both ways write the same program for a rollout they both verify (up to bfloat16 rounding,
     # which depends on the batch) and differ only in which rollouts they verify
     verify = model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=cfg["verifier_max_new_tokens"],
-                            temperature=0.0, seed=seed, int8=int8)
-    verify(["What is 1 + 1?"])  # the weights are packed once, on the first call; keep that out of both timings
-    print(f"{run_dir}: verifier {name}{' int8' if int8 else ''} (greedy), omega {cfg['omega']}, budget {cfg['verify_budget']}, "
+                            temperature=0.0, seed=seed)
+    verify([VerifierPrompt("", "What is 1 + 1?")])  # the weights are packed once, on the first call: not timed
+    print(f"{run_dir}: verifier {name} (greedy), omega {cfg['omega']}, budget {cfg['verify_budget']}, "
           f"{cfg['verifier_max_new_tokens']} tokens; sample s is the run's own")
     print(f"{'step':>4} {'sample s':>9} {'all s':>7} {'lazy s':>7} {'lazy/all':>8} {'prompts':>9} {'calls':>5} "
           f"{'tokens':>11} {'labels':>6} on the same programs")
@@ -206,34 +200,14 @@ def replay_steps(run_dir, seed, int8=False):
                if row.get("kind") == "train"}
     totals = [0.0, 0.0]
     for step, rows in sorted(steps.items()):
-        problems = [records[row["id"]]["problem"] for row in rows]
-        texts, answers = [row["text"] for row in rows], [row["answer"] for row in rows]
-
-        def labels_of(results):
-            return [weighted_vote(answers[i:i + cfg["n_votes"]], [r.v for r in results[i:i + cfg["n_votes"]]],
-                                  cfg["omega"], **classes).label for i in range(0, len(rows), cfg["n_votes"])]
-
+        group = ([records[row["id"]]["problem"] for row in rows], [row["text"] for row in rows],
+                 [row["answer"] for row in rows], cfg, domain)
         written = {}  # prompt -> the program the first (every-class) pass wrote for it
-
-        def timed_pass(omega, model_call, record=False):
-            calls = []
-
-            def counting(prompts):
-                calls.append(len(prompts))
-                completions = model_call(prompts)
-                if record:
-                    written.update(zip(prompts, completions))
-                return completions
-            start = time.perf_counter()
-            results = verify_batch(problems, texts, answers, counting, budget=cfg["verify_budget"], domain=domain,
-                                   omega=omega)
-            return time.perf_counter() - start, calls, sum(r.tokens or 0 for r in results), labels_of(results)
-
-        full_s, full_calls, full_t, full_labels = timed_pass(None, verify, record=True)
-        lazy_s, lazy_calls, lazy_t, lazy_labels = timed_pass(cfg["omega"], verify)
+        full_s, full_calls, full_t, full_labels = timed_pass(*group, None, verify, written)
+        lazy_s, lazy_calls, lazy_t, lazy_labels = timed_pass(*group, cfg["omega"], verify)
         # laziness on the very programs of the first pass must elect the same labels: its exactness, checked here
         # apart from the verifier's own variation between two calls (bfloat16 rounding depends on the batch)
-        replayed = timed_pass(cfg["omega"], lambda prompts: [written[p] for p in prompts])[3]
+        replayed = timed_pass(*group, cfg["omega"], lambda prompts: [written[p] for p in prompts])[3]
         totals[0] += full_s
         totals[1] += lazy_s
         sample = metrics.get(step, {}).get("seconds/sample")
@@ -243,8 +217,27 @@ def replay_steps(run_dir, seed, int8=False):
     print(f"all steps: every rollout {totals[0]:.1f} s, lazily {totals[1]:.1f} s, ratio {totals[1] / totals[0]:.2f}")
 
 
+def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written=None):
+    """One verification of a step's rollouts (lazily at omega, or every one with None): seconds, the prompts of
+    each verifier call, verifier tokens and the step's labels. written: gets each prompt's completion."""
+    calls = []
+
+    def counting(prompts):
+        calls.append(len(prompts))
+        completions = model_call(prompts)
+        if written is not None:
+            written.update(zip(prompts, completions))
+        return completions
+    start = time.perf_counter()
+    results = verify_batch(problems, texts, answers, counting, domain, budget=cfg["verify_budget"], omega=omega)
+    n = cfg["n_votes"]
+    labels = [weighted_vote(answers[i:i + n], [r.v for r in results[i:i + n]], cfg["omega"], **domain.classes).label
+              for i in range(0, len(answers), n)]
+    return time.perf_counter() - start, calls, sum(r.tokens or 0 for r in results), labels
+
+
 def main():
-    parser = argparse.ArgumentParser(description=verifier.__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--measure", action="store_true",
                         help="verify correct and wrong answers to MATH-500 problems with each --verifiers model")
     parser.add_argument("--demo", action="store_true", help="verify one rollout with the first --verifiers model")
@@ -257,18 +250,20 @@ def main():
                         help="--measure: MATH-500 (Python programs) or knk puzzles (SMT-LIB2 scripts for z3)")
     parser.add_argument("--max-new-tokens", type=int, default=512, help="verifier generation limit (default 512)")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the verifier (default 0)")
-    parser.add_argument("--int8", action="store_true", help="--measure: each verifier also with its products in "
-                        "8-bit integers (--verifier-int8), on the same rollouts; --steps: the verifier in int8")
     parser.add_argument("--rescore", metavar="LOG", help="--measure: score the completions logged by an earlier "
                         "run again (after a change to program handling) instead of sampling")
     args = parser.parse_args()
     if args.measure:
         measure(args.problems, args.max_new_tokens, args.seed, args.verifiers, bench=args.bench,
                 log_path="runs/verifier-rescore.jsonl" if args.rescore else "runs/verifier-measure.jsonl",
-                rescore=args.rescore, int8=args.int8)
+                rescore=args.rescore)
     elif args.demo:
         demo(args.verifiers[0], args.max_new_tokens, args.seed)
     elif args.steps:
-        replay_steps(args.steps, args.seed, args.int8)
+        replay_steps(args.steps, args.seed)
     else:
         parser.print_help()
+
+
+if __name__ == "__main__":
+    main()

@@ -3,8 +3,8 @@ step, and the floors the machine allows: bytes per step over the memory bandwidt
 matmul rate), and, with --verifier-prompts, the kv sampler against its older self (a git revision) on one
 step's verifier prompts.
 
-    python sampler.py --bench [--n 8 32] [--dtypes float32 bfloat16] [--compile]
-    python sampler.py --bench --verifier-prompts [--max-new-tokens 256] [--baseline REV] [--int8]
+    python -m bench.sampler [--n 8 32] [--dtypes float32 bfloat16] [--compile]
+    python -m bench.sampler --verifier-prompts [--max-new-tokens 256] [--baseline REV]
 """
 import argparse
 import json
@@ -22,7 +22,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 import sampler
 from model import load_model, offline_model
 from sampler import generate, head_dim_of, model_weights, prefix_plan
-from verifier import VERIFIER_SYSTEM, verifier_prompt
+from domains import MATH
+from verifier import verifier_prompt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # git show reads sampler.py's history here
 QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
@@ -173,10 +174,9 @@ def verifier_bench_prompts(tokenizer, problems: int, rollouts: int) -> list[list
     prompt and the problem."""
     with open(os.path.join(REPO, "data", "demo.jsonl")) as fh:
         records = [json.loads(line) for line in fh][:problems]
-    chats = [tokenizer.apply_chat_template([{"role": "system", "content": VERIFIER_SYSTEM},
-                                            {"role": "user", "content": verifier_prompt(r["problem"], written_rollout(r, k))}],
-                                           tokenize=False, add_generation_prompt=True)
-             for r in records for k in range(rollouts)]
+    requests = [verifier_prompt(r["problem"], written_rollout(r, k), MATH) for r in records for k in range(rollouts)]
+    chats = [tokenizer.apply_chat_template([{"role": "system", "content": p.system}, {"role": "user", "content": p.user}],
+                                           tokenize=False, add_generation_prompt=True) for p in requests]
     return [tokenizer(chat, add_special_tokens=False).input_ids for chat in chats]
 
 
@@ -196,10 +196,9 @@ def prefill_flop(model, tokens: int) -> int:
     return 2 * body * tokens
 
 
-def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, baseline_rev, int8=False):
+def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, baseline_rev):
     """Old (git revision baseline_rev) against new sampler on the verifier prompts of one step: prefill alone
-    (max_new_tokens=1), then whole verifier generations, seeded, so both paths give the same tokens. int8: a
-    third path, the new sampler with int8 products (--verifier-int8), whose tokens differ from bfloat16's."""
+    (max_new_tokens=1), then whole verifier generations, seeded, so both paths give the same tokens."""
     device = torch.device(device)
     model, tokenizer = bench_model(spec, device)
     if tokenizer is None:  # random weights: the embedded model's tokenizer (Qwen2.5's vocabulary) writes the prompts
@@ -214,10 +213,9 @@ def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, base
           f"matmul rate {matmul_rate / 1e9:.0f} GFLOP/s")
     options = dict(n=1, temperature=0.6, top_p=0.95, seed=0, dtype=dtype)
     paths = [(f"old ({baseline_rev})", baseline_sampler(baseline_rev), {}), ("new", sampler, dict(frozen=True))]
-    paths += [("new int8", sampler, dict(frozen=True, int8=True))] * int8
     results = {}
     for label, module, extra in paths:
-        if extra:  # the verifier's weights (packed, or int8) are made on its first call and kept: not timed
+        if extra:  # the verifier's weights (packed) are made on its first call and kept: not timed
             module.generate(model, None, prompts[:1], max_new_tokens=1, **options, **extra)
         prefill_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options, **extra)
         total_s = prefill_s
@@ -239,7 +237,7 @@ def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, base
             print(f"{label:<16} {clock:>4} {prefill_s[i]:>9.1f} {total / prefill_s[i]:>12.0f} "
                   f"{prefill_flop(model, ran) / prefill_s[i] / matmul_rate:>13.2f} {total_s[i]:>8.1f} "
                   f"{total_s[i] / len(prompts):>9.2f}")
-    for label, base_label in [(new_label, old_label)] + [("new int8", new_label), ("new int8", old_label)] * int8:
+    for label, base_label in [(new_label, old_label)]:
         (new, old), per_token = (results[label], results[base_label]), generated[label] / generated[base_label]
         print(f"{label} / {base_label}: " + ", ".join(  # seeded paths part after a while: per generated token too
             f"{clock} prefill {new[0][i] / old[0][i]:.2f}, total {new[1][i] / old[1][i]:.2f} (per generated token "
@@ -260,7 +258,6 @@ def main():
     parser = argparse.ArgumentParser(description="Benchmark the hf and kv sampling backends side by side, or (with "
                                                  "--verifier-prompts) the kv sampler against its old self on the "
                                                  "verifier's prompts.")
-    parser.add_argument("--bench", action="store_true", required=True)
     parser.add_argument("--model-config", default="embedded",
                         help="an offline model: 'embedded' (default), 'coder-1.5b'; 'qwen2.5-1.5b' (random weights) or a config.json path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -275,11 +272,14 @@ def main():
     parser.add_argument("--problems", type=int, default=8, help="--verifier-prompts: demo problems")
     parser.add_argument("--rollouts", type=int, default=4, help="--verifier-prompts: written rollouts per problem")
     parser.add_argument("--baseline", default=BASELINE_REV, help="--verifier-prompts: git revision of the old path")
-    parser.add_argument("--int8", action="store_true", help="--verifier-prompts: add the new path with int8 products")
     args = parser.parse_args()
     dtypes = [getattr(torch, name) for name in args.dtypes]
     if args.verifier_prompts:
         bench_verifier(args.model_config, args.device, dtypes[0], args.max_new_tokens, args.problems, args.rollouts,
-                       args.baseline, args.int8)
+                       args.baseline)
     else:
         bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile, dtypes)
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 gradient checkpointing, and a plain transformers forward/backward as the reference), each in a fresh
 process so that its peak memory is its own, side by side with the floor 6 x params x tokens / matmul rate.
 
-    python grpo.py --bench [--configs hf-baseline,bf16+ckpt]
+    python -m bench.grpo [--configs hf-baseline,bf16+ckpt]
 """
 import argparse
 import json
@@ -15,8 +15,7 @@ import time
 import torch
 from tqdm import tqdm
 
-import grpo
-from grpo import aggregate, cosine_schedule, group_advantages, grpo_step, make_optimizer, pad_batch
+from grpo import GRPOSettings, Rollouts, aggregate, cosine_schedule, group_advantages, grpo_step, make_optimizer, pad_batch
 from model import load_model
 
 BENCH_CONFIGS = {  # name -> (bf16 autocast, gradient checkpointing); "hf-baseline" is the plain reference
@@ -77,8 +76,9 @@ def bench_config(name: str) -> dict:
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        seconds = grpo_step(model, optimizer, scheduler, prompts, completions, rewards, group_size, bf16=bf16,
-                            gradient_checkpointing=ckpt, token_budget=BENCH_TOKEN_BUDGET)["seconds"]
+        settings = GRPOSettings(group_size=group_size, bf16=bf16, gradient_checkpointing=ckpt,
+                                token_budget=BENCH_TOKEN_BUDGET)
+        seconds = grpo_step(model, optimizer, scheduler, Rollouts(prompts, completions, rewards), settings)["seconds"]
     return {"name": name, "seconds": seconds, "tokens": sum(len(p) + len(c) for p, c in zip(prompts, completions)),
             "params": sum(p.numel() for p in model.parameters()),
             "peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30}
@@ -89,7 +89,7 @@ def bench(names):
     rates = {"bf16": matmul_flops_per_second(torch.bfloat16), "fp32": matmul_flops_per_second(torch.float32)}
     results = []
     for name in tqdm(names, desc="configurations"):
-        run = subprocess.run([sys.executable, grpo.__file__, "--bench-config", name], capture_output=True, text=True)
+        run = subprocess.run([sys.executable, "-m", "bench.grpo", "--bench-config", name], capture_output=True, text=True)
         if run.returncode:
             raise SystemExit(f"--bench-config {name} failed:\n{run.stderr[-2000:]}")
         results.append(json.loads(run.stdout.strip().splitlines()[-1]))
@@ -112,17 +112,18 @@ def bench(names):
 
 def main():
     parser = argparse.ArgumentParser(description="GRPO update benchmark on the embedded model.")
-    parser.add_argument("--bench", action="store_true", help="time and measure one update per configuration")
     parser.add_argument("--configs", default=",".join(BENCH_CONFIGS), help="comma-separated subset of: "
                         + ", ".join(BENCH_CONFIGS))
     parser.add_argument("--bench-config", choices=list(BENCH_CONFIGS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.bench_config:
         print(json.dumps(bench_config(args.bench_config)))
-    elif args.bench:
+    else:
         unknown = set(args.configs.split(",")) - set(BENCH_CONFIGS)
         if unknown:
             parser.error(f"--configs: unknown {', '.join(sorted(unknown))}; use names from {', '.join(BENCH_CONFIGS)}")
         bench(args.configs.split(","))
-    else:
-        parser.print_help()
+
+
+if __name__ == "__main__":
+    main()

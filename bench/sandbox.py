@@ -1,8 +1,8 @@
-"""Command line of sandbox.py: --selftest checks each protection on this machine, --bench compares the warm
-pool with a fresh `python -c` per snippet (p50/p95 latency one at a time, throughput of a batch).
+"""Benchmark of sandbox.py: the warm pool against a fresh `python -c` per snippet (p50/p95 latency one at a
+time, throughput of a batch); --selftest checks each protection on the machine it runs on.
 
-    python sandbox.py --selftest
-    python sandbox.py --bench
+    python -m bench.sandbox
+    python -m bench.sandbox --selftest
 """
 import argparse
 import os
@@ -113,11 +113,14 @@ def bench(naive_runs=10, pool_runs=100, pool_batch=200):
 
 def main():
     parser = argparse.ArgumentParser(description=sandbox.__doc__.split("\n")[0])
-    group = parser.add_mutually_exclusive_group(required=True)
-    group.add_argument("--selftest", action="store_true", help="check the protections on this machine")
-    group.add_argument("--bench", action="store_true", help="naive `python -c` vs pool latency and throughput")
+    parser.add_argument("--selftest", action="store_true", help="check the protections on this machine "
+                        "(default: naive `python -c` vs pool latency and throughput)")
     args = parser.parse_args()
     if args.selftest:
         sys.exit(selftest())
     else:
         bench()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""A domain: what the loop needs to know about a benchmark's answers, and how the verifier checks them.
+
+    math    answers are LaTeX (answers.py); the verifier writes Python, the sandbox runs it (verifier.py),
+            the hard-coding guard reads the program (guard.py)
+    knk     Knights and Knaves: answers are role assignments; the verifier writes SMT-LIB2 and z3 solves it
+            in the sandbox (knk.py)
+
+--bench knk is the knk domain, every other benchmark the math one (domain_of).
+"""
+from dataclasses import dataclass
+from typing import Callable
+
+import knk
+from answers import answer_key, extract_answer, is_equiv, same_answer
+from guard import hardcoded
+from verifier import VERIFIER_SYSTEM, VERIFIER_USER, extract_code, python_tool, tool_agrees
+
+
+@dataclass(frozen=True)
+class Domain:
+    name: str
+    instruction: str                      # the policy's system prompt: how to reason, how to write the answer
+    extract: Callable                     # (rollout text, problem) -> its final answer, or None
+    same: Callable                        # (answer, answer) -> in one vote class (voting's `same`)
+    key: Callable                         # answer -> a cheap class key (voting's `key`)
+    equiv: Callable                       # (answer, gold) -> right: evaluation and monitors only, never rewards
+    verifier_system: str                  # the verifier's system prompt
+    verifier_user: str                    # its user message, with {problem} and {rollout}
+    extract_program: Callable             # verifier completion -> the program, or None (no_code)
+    tool: Callable                        # (programs, sandbox) -> one verifier.ToolRun per program
+    agrees: Callable                      # (ToolRun, rollout's answer) -> the tool computed that answer
+    hardcoded: Callable | None = None     # (program, problem, answer) -> the program copied the answer in
+
+    @property
+    def classes(self) -> dict:
+        """same= and key=, as voting's functions take them."""
+        return dict(same=self.same, key=self.key)
+
+
+MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+# without the form, a small policy boxes one word ("\\boxed{knaves}") or a name and no assignment is read
+KNK_INSTRUCTION = ("Please reason step by step, and put your final answer within \\boxed{}, naming every inhabitant "
+                   "with a role, in the form \\boxed{Name: knight, Name: knave, ...}.")
+
+
+def math_answer(text, problem):
+    """A math rollout's final answer (its problem is not needed to read it)."""
+    return extract_answer(text)
+
+
+def math_agrees(run, answer):
+    return tool_agrees(run.result, answer, run.latex)
+
+
+def knk_agrees(run, answer):
+    return knk.smt_agrees(run.result, answer)
+
+
+DOMAINS = {
+    "math": Domain("math", MATH_INSTRUCTION, math_answer, same_answer, answer_key, is_equiv, VERIFIER_SYSTEM,
+                   VERIFIER_USER, extract_code, python_tool, math_agrees, hardcoded),
+    # knk's tool refuses a script that asserts a role as a fact itself (status "hardcoded"): no guard after it
+    "knk": Domain("knk", KNK_INSTRUCTION, knk.extract_answer, knk.same_answer, knk.answer_key, knk.is_equiv,
+                  knk.KNK_SYSTEM, knk.KNK_USER, knk.extract_smt, knk.smt_tool, knk_agrees),
+}
+MATH = DOMAINS["math"]
+
+
+def domain_of(bench: str) -> Domain:
+    """Knights and Knaves for --bench knk, math for every other benchmark."""
+    return DOMAINS["knk" if bench == "knk" else "math"]

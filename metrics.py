@@ -1,0 +1,157 @@
+"""What a run reports: per-question monitors, the step's metrics row and line, the summary table, curves.png.
+
+The monitors compare the vote with the hidden gold answers (label accuracy, the verifier's precision and
+recall, flips fixed or broken): reporting only, never rewards. One row per step goes to metrics.jsonl.
+"""
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from domains import Domain, domain_of
+from files import read_jsonl_rows
+from voting import group_metrics
+
+
+class Stopwatch(dict):
+    """Seconds per phase: `with clock("sample"): ...` adds the time the block took to clock["sample"]."""
+
+    @contextmanager
+    def __call__(self, phase: str):
+        started = time.time()
+        yield
+        self[phase] = self.get(phase, 0.0) + time.time() - started
+
+
+def is_correct(answer, gold, domain: Domain) -> bool:
+    return answer is not None and domain.equiv(answer, gold)
+
+
+def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
+    """How one question's vote went, against the gold answer: monitors only, never rewards."""
+    dom = domain_of(cfg.bench)
+    stats = group_metrics(vote.vote, vote.v, gold=rec["answer"], **dom.classes)
+    # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke it
+    stats["majority_label_accuracy"] = stats["label_accuracy"] - stats["flip_fixed"] + stats["flip_broke"]
+    correct = [is_correct(a, rec["answer"], dom) for a in answers]
+    results = [res for res in verdicts if res is not None]
+    stats["verified"] = sum(vote.v)
+    stats["verified_correct"] = sum(vi and ci for vi, ci in zip(vote.v, correct))
+    stats["correct"] = sum(correct)
+    # recall's denominator: the right rollouts that got a verdict (a skipped one was never asked)
+    stats["correct_judged"] = sum(ci for ci, res in zip(correct, verdicts) if getattr(res, "status", None) != "skipped")
+    stats["statuses"] = [res.status for res in results]
+    stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
+    stats["verifier_calls_saved"] = sum(getattr(res, "inferred", False) or res.status == "skipped" for res in results)
+    stats["response_tokens"] = [c.num_tokens for c in group]
+    return stats
+
+
+def step_metrics(step, per_question, update, seconds) -> dict:
+    """One metrics row: per-question monitors (means), the update's statistics (whole step, all processes)
+    and each phase's time (the slowest process)."""
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    row = {"kind": "train", "step": step, "questions": len(per_question)}
+    for key in ("label_accuracy", "majority_label_accuracy", "reward_accuracy", "majority_ratio",
+                "ground_truth_ratio", "verified_ratio", "flipped", "flip_fixed", "flip_broke", "pass@N"):
+        row[key] = mean([q[key] for q in per_question])
+    verified = sum(q["verified"] for q in per_question)
+    statuses = [s for q in per_question for s in q["statuses"]]  # empty when no rollout went to the verifier
+    row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
+    # the verifier against the hidden gold answers (reporting only): precision = right share of the verified,
+    # recall = verified share of the right rollouts it judged; neither exists where nothing was verified (--no-verify)
+    row["verified_rollouts"], row["correct_rollouts"] = verified, sum(q["correct"] for q in per_question)
+    row["correct_judged_rollouts"] = sum(q["correct_judged"] for q in per_question)
+    row["verified_correct"] = sum(q["verified_correct"] for q in per_question)
+    row["verifier_precision"] = row["verified_correct"] / verified if verified else None
+    row["verifier_recall"] = (row["verified_correct"] / row["correct_judged_rollouts"]
+                              if statuses and row["correct_judged_rollouts"] else None)
+    lengths = [n for q in per_question for n in q["response_tokens"]]
+    row["response_length"] = mean(lengths)
+    row["policy_tokens"] = sum(lengths)
+    row["verifier_tokens"] = sum(q["verifier_tokens"] for q in per_question)
+    row["verifier_calls_saved"] = sum(q["verifier_calls_saved"] for q in per_question)
+    row.update({f"grpo/{key}": value for key, value in update.items()})
+    for phase in seconds[0]:
+        row[f"seconds/{phase}"] = max(s[phase] for s in seconds)
+    return row
+
+
+def format_step(row: dict, total: int) -> str:
+    fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
+    timing = " ".join(f"{key[len('seconds/'):]} {value:.0f}s" for key, value in row.items() if key.startswith("seconds/"))
+    return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])} (maj {fmt(row['majority_label_accuracy'])})"
+            f" reward {fmt(row['reward_accuracy'])} | maj-ratio {fmt(row['majority_ratio'])}"
+            f" gt-ratio {fmt(row['ground_truth_ratio'])} | verified {fmt(row['verified_ratio'])}"
+            f" prec {fmt(row['verifier_precision'])} rec {fmt(row['verifier_recall'])} | flips {row['flipped'] * row['questions']:.0f}"
+            f" (+{row['flip_fixed'] * row['questions']:.0f}/-{row['flip_broke'] * row['questions']:.0f})"
+            f" | len {row['response_length']:.0f} ent {fmt(row.get('grpo/entropy'))} loss {row.get('grpo/loss', 0):+.4f}"
+            f" opt-steps {row.get('grpo/optimizer_steps', 0):.0f} clip {row.get('grpo/clip_frac', 0):.4f} | {timing}")
+
+
+def format_eval(result: dict) -> str:
+    line = "  ".join(f"{k} {v:.3f}" for k, v in result.items() if k != "by_level")
+    if "by_level" in result:
+        line += "\n" + "\n".join(f"    level {lv}: " + "  ".join(f"{k} {v:.3f}" for k, v in m.items())
+                                 for lv, m in result["by_level"].items())
+    return line
+
+
+def summary(run_dir: Path) -> str:
+    """Before vs after evaluation, and TTRL (majority) vs T3RL (weighted) pseudo-label accuracy during training."""
+    rows = read_jsonl_rows(run_dir / "metrics.jsonl")
+    train_rows = [r for r in rows if r["kind"] == "train"]
+    # "before" is the step-0 evaluation only: if metrics.jsonl lost it, the table says so instead of showing another
+    before = next((r for r in rows if r["kind"] == "eval" and r["step"] == 0 and not r.get("final")), {})
+    after = next((r for r in reversed(rows) if r.get("final")), {})
+    lines = [f"summary of {run_dir}", f"{'metric':<28}{'before':>10}{'after':>10}"]
+    if not before:
+        lines.append(f"(no step-0 evaluation in {run_dir / 'metrics.jsonl'}: the file was cut or deleted; 'before' is unknown)")
+    for key in before or after:
+        if key not in ("kind", "step", "final", "by_level") and isinstance((before or after)[key], (int, float)):
+            fmt = lambda row: f"{row[key]:>10.3f}" if key in row else f"{'-':>10}"  # noqa: E731
+            lines.append(f"{key:<28}{fmt(before)}{fmt(after)}")
+    if train_rows:
+        mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)  # noqa: E731
+        lines.append(f"{'training steps':<28}{len(train_rows):>10}")
+        lines.append(f"{'label acc. TTRL (majority)':<28}{mean('majority_label_accuracy'):>10.3f}")
+        lines.append(f"{'label acc. T3RL (weighted)':<28}{mean('label_accuracy'):>10.3f}")
+        lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
+        lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
+        verifying = [r for r in train_rows if r.get("status")]  # steps whose rollouts went to the verifier
+        hits, verified = sum(r["verified_correct"] for r in verifying), sum(r["verified_rollouts"] for r in verifying)
+        # a run logged before --lazy-verify existed judged every right rollout
+        judged = sum(r.get("correct_judged_rollouts", r["correct_rollouts"]) for r in verifying)
+        for name, of in (("verifier precision", verified), ("verifier recall", judged)):
+            lines.append(f"{name:<28}" + (f"{hits / of:>10.3f}" if of else f"{'-':>10}"))
+        lines.append(f"{'flips (fixed / broke)':<28}{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
+                     f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
+                     f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")
+    return "\n".join(lines)
+
+
+def plot_run(run_dir: Path):
+    """curves.png: pseudo-label accuracy (TTRL vs T3RL), reward accuracy, verified ratio and loss per step."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in read_jsonl_rows(run_dir / "metrics.jsonl") if r["kind"] == "train"]
+    if not rows:
+        return
+    steps = [r["step"] + 1 for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
+    for key, name in [("label_accuracy", "label acc. (T3RL)"), ("majority_label_accuracy", "label acc. (majority)"),
+                      ("reward_accuracy", "reward acc."), ("ground_truth_ratio", "ground-truth ratio")]:
+        axes[0].plot(steps, [r[key] for r in rows], marker="o", label=name)
+    axes[1].plot(steps, [r["verified_ratio"] for r in rows], marker="o", label="verified ratio")
+    axes[1].plot(steps, [r["majority_ratio"] for r in rows], marker="o", label="majority ratio")
+    axes[2].plot(steps, [r.get("grpo/loss", 0) for r in rows], marker="o", label="GRPO loss")
+    axes[2].plot(steps, [r["response_length"] / max(r["response_length"] for r in rows) for r in rows],
+                 marker="o", label="response length (rel.)")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.suptitle(str(run_dir))
+    fig.tight_layout()
+    fig.savefig(run_dir / "curves.png", dpi=100)
+    plt.close(fig)

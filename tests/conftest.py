@@ -1,0 +1,76 @@
+"""Shared pytest fixtures: the real tokenizer, a tiny random Qwen2 built on it, and the embedded 0.5B model.
+
+Most tests need *some* transformer, not a good one: the tiny model (2 layers, hidden 64) keeps them fast
+while exercising the same code paths (real 152k vocabulary, grouped-query attention, rotary embeddings).
+"""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import config
+import domains
+import t3rl
+from helpers import QUESTIONS, fake_answer, make_tiny_model, scripted_verifier, tiny_argv, write_bench
+from sandbox import SandboxPool
+
+os.environ.setdefault("T3RL_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    from model import load_model
+    return load_model("embedded")
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from model import offline_model_dir
+    return AutoTokenizer.from_pretrained(offline_model_dir("coder-0.5b"))
+
+
+
+
+@pytest.fixture()
+def tiny_model(tokenizer):
+    """A fresh randomly initialised tiny Qwen2 (seed 0, float32, eval mode) per test, so tests can train it."""
+    return make_tiny_model(len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(workers=2, timeout=5.0, memory_bytes=512 << 20) as p:
+        yield p
+
+
+@pytest.fixture()
+def tiny_dir(tmp_path_factory, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny")
+    make_tiny_model(len(tokenizer)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture()
+def patched(monkeypatch):
+    monkeypatch.setattr(domains, "extract_answer", fake_answer)
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: scripted_verifier if cfg.verify else None)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tokenizer):
+    """A finished 4-step tiny run (checkpoints at steps 2 and 4) and the model and benchmark it used."""
+    root = tmp_path_factory.mktemp("finished")
+    make_tiny_model(len(tokenizer)).save_pretrained(root / "tiny")
+    tokenizer.save_pretrained(root / "tiny")
+    write_bench(root / "data", QUESTIONS)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("T3RL_DATA_DIR", str(root / "data"))
+        mp.setattr(domains, "extract_answer", fake_answer)
+        mp.setattr(t3rl, "build_verifier", lambda cfg, device: scripted_verifier if cfg.verify else None)
+        run = t3rl.train(config.parse_config(tiny_argv(root / "tiny", root / "out", max_steps=4, save_every=2)))
+    assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
+    return run

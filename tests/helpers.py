@@ -1,0 +1,199 @@
+"""Helpers shared by the test files: fake servers, scripted verifiers, tiny benchmarks and runs."""
+import hashlib
+import http.server
+import json
+import os
+import shutil
+import threading
+import urllib.parse
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import t3rl
+
+
+class FakeHub(http.server.ThreadingHTTPServer):
+    """The Hub's HTTP API as huggingface_hub uses it (repo info, file tree, file downloads), on 127.0.0.1, serving
+    `files` {repo: {path: bytes}} of `kind` "datasets" or "models"; `requests` records (path, Authorization header)
+    for each request about a served repo."""
+
+    def __init__(self, files, kind="datasets"):
+        self.files, self.kind, self.requests = files, kind, []
+        super().__init__(("127.0.0.1", 0), FakeHubHandler)
+        self.url = f"http://127.0.0.1:{self.server_port}"
+        threading.Thread(target=self.serve_forever, daemon=True).start()
+
+
+class FakeHubHandler(http.server.BaseHTTPRequestHandler):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+
+    def do_GET(self):
+        path = urllib.parse.urlparse(self.path).path
+        kind = self.server.kind
+        for repo, files in self.server.files.items():
+            if repo in path:
+                self.server.requests.append((path, self.headers.get("authorization")))
+            if path.startswith(f"/api/{kind}/{repo}/revision/"):
+                return self.reply({"id": repo, "sha": self.commit, "siblings": [{"rfilename": f} for f in files]})
+            if path.startswith(f"/api/{kind}/{repo}/tree/"):
+                return self.reply([{"type": "file", "path": f, "size": len(data), "oid": hashlib.sha1(data).hexdigest()}
+                                   for f, data in files.items()])
+            name = path.removeprefix(f"{'/datasets' if kind == 'datasets' else ''}/{repo}/resolve/{self.commit}/")
+            if name in files:
+                etag = f'"{hashlib.sha1(files[name]).hexdigest()}"'
+                return self.reply(files[name], {"X-Repo-Commit": self.commit, "ETag": etag})
+        if path.startswith(f"/api/{kind}/"):  # what the Hub answers about a repository it does not have
+            return self.reply(b"", {"X-Error-Code": "RepoNotFound"}, status=401)
+        self.reply(b"", status=404)
+
+    do_HEAD = do_GET
+
+    def reply(self, body, headers=(), status=200):
+        body = body if isinstance(body, bytes) else json.dumps(body).encode()
+        self.send_response(status)
+        for key, value in dict(headers).items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def token_rows(result):
+    return [[c.token_ids for c in group] for group in result]
+
+
+def small_vocab_model(vocab_size=48, logit_scale=10.0):
+    """A tiny Qwen2 over `vocab_size` tokens whose head is scaled so its next-token distribution is far from flat.
+
+    (make_tiny_model's special-token ids need the real 152k vocabulary, hence its own config here.)
+    """
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         bos_token_id=0, eos_token_id=vocab_size - 1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    return model
+
+
+SMALL_PROMPTS = [[3, 17, 29, 5, 8], [11], [40, 2, 2]]
+
+
+class ScriptedVerifier:
+    """Answers each batch with the given completions, in order, and records what it was asked."""
+
+    def __init__(self, *completions):
+        self.completions = list(completions)
+        self.batches = []
+
+    def __call__(self, prompts):
+        self.batches.append(list(prompts))
+        out, self.completions = self.completions[:len(prompts)], self.completions[len(prompts):]
+        return out
+
+
+GUARD_PROBLEM = "A club of 12 members picks 3 officers; each of the 11 committees meets 120 times. Find the count."
+
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository
+
+
+QUESTIONS = [("What is 1 + 1?", "2"), ("What is 2 + 2?", "4"), ("What is 3 + 3?", "6"), ("What is 4 + 4?", "8")]
+
+
+def fake_answer(text):
+    """The tiny random model never writes \\boxed{}; give each rollout a deterministic answer from its text
+    so that votes, rewards and the GRPO update are not all trivial."""
+    return str(len(text) % 3)
+
+
+def scripted_verifier(prompts):
+    """A verifier that always writes the same program: rollouts answering 2 get verified."""
+    return ["```python\nprint(1 + 1)\n```" for _ in prompts]
+
+
+def write_bench(folder: Path, questions):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "demo.jsonl").write_text("".join(
+        json.dumps({"id": f"q{i}", "problem": p, "answer": a}) + "\n" for i, (p, a) in enumerate(questions)))
+
+
+def tiny_argv(tiny_dir, out_dir, **extra):
+    options = dict(preset="cpu", model=str(tiny_dir), verifier_model="self", bench="demo", n_votes=4, n_train=2, questions_per_step=2,
+                   max_steps=4, max_new_tokens=12, verifier_max_new_tokens=8, lr=1e-3, save_every=2,
+                   eval_samples=2, out_dir=str(out_dir), run_name="run", backend="kv", sample_dtype="bfloat16",
+                   bf16=False, grad_checkpointing=False)
+    options.update(extra)
+    flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
+    return [(flag(k) if v else "--no-" + k.replace("_", "-")) if isinstance(v, bool) else f"{flag(k)}={v}"
+            for k, v in options.items()]
+
+
+def rows(run_dir, name):
+    return [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+
+
+def without_timing(metrics):
+    return [{k: v for k, v in r.items() if not k.startswith(("seconds/", "grpo/seconds"))} for r in metrics]
+
+
+def final_weights(run_dir):
+    from safetensors.torch import load_file
+    return load_file(run_dir / "checkpoint" / "model" / "model.safetensors")
+
+
+@contextmanager
+def interrupted_at_update(monkeypatch, update: int):
+    """Ctrl-C in the middle of the update-th GRPO update of whatever runs in the block."""
+    real_step, calls = t3rl.grpo_step, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == update:
+            raise KeyboardInterrupt
+        return real_step(*args, **kwargs)
+    monkeypatch.setattr(t3rl, "grpo_step", interrupted)
+    try:
+        yield
+    finally:
+        monkeypatch.setattr(t3rl, "grpo_step", real_step)
+
+
+def tensorboard_scalars(folder: Path) -> dict:
+    """{tag: [(step, value), ...]} from the TensorBoard event files in a folder, as TensorBoard itself reads them
+    (events a resumed writer purged are dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    events = EventAccumulator(str(folder)).Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def copy_run(run: Path, dest: Path, final=True, upto=None) -> Path:
+    """A copy of the finished run; without its final evaluation, or cut back to its step-`upto` checkpoint
+    (what a kill leaves behind)."""
+    shutil.copytree(run, dest)
+    if upto is not None:
+        shutil.rmtree(dest / "checkpoint")
+        os.replace(dest / "checkpoint.old", dest / "checkpoint")
+    keep = lambda r: (final or not r.get("final")) and (upto is None or r["step"] < upto or r.get("kind") == "eval" and r["step"] == 0)  # noqa: E731,E501
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        (dest / name).write_text("".join(json.dumps(r) + "\n" for r in rows(dest, name) if keep(r)))
+    return dest
+
+
+def make_tiny_model(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = True):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=tie_word_embeddings, bos_token_id=151643, eos_token_id=151645,
+                         pad_token_id=151643)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).float().eval()
+    return model

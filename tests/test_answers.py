@@ -1,0 +1,147 @@
+"""answers.py: extracting and comparing answers."""
+import json
+import os
+import threading
+import time
+
+import pytest
+
+from answers import answer_key, extract_answer, is_equiv, same_answer
+from bench.answers import EQUIV_CASES
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("so \\boxed{\\frac{1}{2}} first, then \\boxed{\\frac{\\sqrt{3}}{2}}.", "\\frac{\\sqrt{3}}{2}"),
+    ("$\\boxed{\\{1, \\{2\\}\\}}$", "\\{1, \\{2\\}\\}"),
+    ("hence \\boxed 5 is it", "5"),
+    ("\\fbox{12}", "12"),
+    ("Thus, the answer is $\\dfrac{3}{4}$.", "\\dfrac{3}{4}"),
+    ("The final answer is 3.5.", "3.5"),
+    ("I am not sure.", None),
+    ("\\boxed{}", None),
+    ("\\boxed{unclosed", None),
+    # Minerva's format: the sentence's math span, not the rest of the sentence
+    ("so $x=5$.\nFinal Answer: The final answer is $100$. I hope it is correct.", "100"),
+    ("Final Answer: The final answer is 7/2. I hope it is correct.", "7/2"),
+    ("$= \\boxed{24}.$\nFinal Answer: The final answer is $24$. I hope it is correct.", "24"),
+    # a later "final answer is" overrides a mid-solution box; a box inside the sentence is the answer
+    ("after six months \\boxed{200} dollars ... so the final answer is 10,455.", "10,455"),
+    ("The final answer is $\\boxed{7}$.", "7"),
+    ("\\boxed{6}. Let me check: the answer is right.", "6"),  # only a *final* answer sentence beats a box
+    # boxes separated only by connectors are one answer; prose in between keeps only the last
+    ("The roots are \\boxed{-2} and \\boxed{1}.", "-2, 1"),
+    ("$\\boxed{(2, 2)} \\quad \\text{and} \\quad \\boxed{(6, 2)}$", "(2, 2), (6, 2)"),
+    ("first \\boxed{5}, wait, that is wrong: \\boxed{6}", "6"),
+    # a short response: its last math span; a long unmarked solution: none
+    ("Answer \\( (9+1) \\)", "(9+1)"),
+    ("We find that $x \\lt 3$.", "x \\lt 3"),
+    ("$1$ and $2$ and $3$", "1, 2, 3"),
+    ("Answer $ \n 9 \n $", None),  # $...$ does not span lines
+    ("Let $t$ be the time. " * 20 + "Then $t = 3$.", None),
+])
+def test_extract_answer(text, answer):
+    assert extract_answer(text) == answer
+
+
+def test_answer_key_gives_equal_spellings_one_key():
+    assert answer_key("0.5") == answer_key("\\frac12") == answer_key("\\dfrac{1}{2}") == answer_key("1/2")
+    assert answer_key("1,000") == answer_key("1000") == answer_key("1000.0") == answer_key("$1,\\!000$")
+    assert answer_key("(1,2,3)") == answer_key("\\begin{pmatrix} 1 \\\\ 2 \\\\ 3 \\end{pmatrix}")
+    assert answer_key("x > 2") == answer_key("(2, \\infty)")
+    assert answer_key(None) is None
+
+
+def test_answer_key_refuses_non_strings():
+    with pytest.raises(TypeError, match="answer must be a string"):
+        answer_key(["1"])
+
+
+EQUIV = [  # (pred, gold) pairs that are equal, one or more per category of the issue
+    ("0.\\overline{3}", "\\frac13"), ("0.1\\overline{6}", "\\frac{1}{6}"),             # repeating decimals
+    ("x \\le 3", "(-\\infty, 3]"), ("-2 \\le x < 7", "[-2,7)"),                         # inequalities
+    ("x<2 \\text{ or } x>3", "(-\\infty,2)\\cup(3,\\infty)"),
+    ("10\u2009080", "10,\\!080"), ("10\\,080", "10080"),                                 # thousands
+    ("90°", "90^\\circ"), ("90", "90^{\\circ}"),                                         # degrees
+    ("(-2,-14,-7)", "\\begin{pmatrix} -2 \\\\ -14 \\\\ -7 \\end{pmatrix}"),               # vectors
+    ("6 - 5 i", "6-5i"), ("-5i + 6", "6 - 5i"),                                          # complex
+    ("\\textbf{(C)} 12", "\\text{(C)}"), ("C", "(C)"),                                    # choices
+    ("142", "142.0"), ("25", "025"),                                                      # AMC / AIME
+    ("\\frac{\\sqrt3}{3}", "\\frac{1}{\\sqrt3}"), ("1 \\pm \\sqrt{19}", "1-\\sqrt{19}, 1+\\sqrt{19}"),
+    ("(p,q)=(3,2)", "(3,2)"), ("AB=4, CD=5", "CD=5, AB=4"), ("a=4,\\,-8,\\,-10", "-10,-8,4"),       # labels
+    ("f(x)=1", "1"), ("p=-1 \\text{ and } p=\\dfrac{15}{8}", "p=-1, p=\\frac{15}{8}"),
+    ("-x > -1", "x < 1"), ("x \\neq 3", "x != 3"), ("x = 5+5+1 = 11", "11"),             # relations
+    ("28 pct", "28\\%"), ("28 percent", "28\\%"), ("9\\%", "9"),                              # percent words
+    ("0.0833333333333333", "\\frac{1}{12}"),                                               # a printed double
+]
+
+
+NOT_EQUIV = [  # near misses
+    ("141", "142.0"), ("-3", "3"), ("\\frac{3}{14}", "\\frac{14}{3}"),                   # off by one, sign, reciprocal
+    ("0.333", "\\frac13"), ("0.3333333", "\\frac13"), ("1.4142", "\\sqrt2"),             # rounded decimals
+    ("(3,4)", "(3,4]"), ("x < 3", "(-\\infty, 3]"),                                       # open vs closed
+    ("(-29,15)", "(15,-29)"), ("(-1/3, 5/3, 2/3)", "\\begin{pmatrix} -1/3 \\\\ 2/3 \\\\ 5/3 \\end{pmatrix}"),
+    ("1", "1,-2"), ("1,-2,3", "1,-2"), ("1+\\sqrt{19}", "1 \\pm \\sqrt{19}"),              # missing / extra root
+    ("6+5i", "6-5i"), ("(B)", "\\text{(C)}"), ("89^\\circ", "90^\\circ"), ("10,081", "10,\\!080"),
+    ("0.\\overline{3}", "0.3"),
+    ("32, 349", "32349"), ("", ""), ("\\boxed{}", ""),                                       # false positives
+    ("(p,q)=(3,2)", "(2,3)"), ("AB=4, CD=5", "AB=5, CD=4"), ("f(x)=1", "2"),
+    ("-x > -1", "x > 1"), ("28 pct", "2.8\\%"), ("9\\%", "0.09"),
+]
+
+
+@pytest.mark.parametrize("pred, gold", EQUIV)
+def test_is_equiv_accepts_equal_spellings(pred, gold):
+    assert is_equiv(pred, gold)
+
+
+@pytest.mark.parametrize("pred, gold", NOT_EQUIV)
+def test_is_equiv_rejects_near_misses(pred, gold):
+    assert not is_equiv(pred, gold)
+
+
+def test_is_equiv_none_is_never_equal():
+    assert not is_equiv(None, "1") and not is_equiv("1", None) and not is_equiv(None, None)
+
+
+def test_is_equiv_on_the_labelled_set_has_no_false_positive():
+    with open(EQUIV_CASES) as f:
+        cases = [json.loads(line) for line in f]
+    assert len(cases) >= 300
+    false_pos = [c for c in cases if not c["equal"] and is_equiv(c["pred"], c["gold"])]
+    right = sum(is_equiv(c["pred"], c["gold"]) == c["equal"] for c in cases)
+    assert false_pos == []
+    assert right / len(cases) >= 0.985
+
+
+def test_hanging_comparison_returns_within_its_limit():
+    start = time.monotonic()
+    assert not is_equiv("2^{2^{2^{2^{2^{2}}}}}", "7", timeout=1.0)  # a huge integer power, in C
+    assert time.monotonic() - start < 1.0 + 0.5
+    assert is_equiv("\\sqrt{8}", "2\\sqrt2")  # the helper process is replaced
+
+
+def test_is_equiv_works_outside_the_main_thread():
+    results = []
+    thread = threading.Thread(target=lambda: results.append(is_equiv("\\cos^2 x + \\sin^2 x", "1")))
+    thread.start()
+    thread.join()
+    assert results == [True]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_is_equiv_works_in_a_forked_child():
+    is_equiv("\\sqrt{12}", "2\\sqrt{3}")  # make sure the parent has a helper process
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        ok = is_equiv("\\sqrt{27}", "3\\sqrt{3}") and not is_equiv("\\sqrt{27}", "3\\sqrt{2}")
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    assert is_equiv("\\sqrt{50}", "5\\sqrt{2}")  # the parent's helper still answers
+
+
+def test_same_answer_is_symmetric():
+    assert same_answer("2x+y=0", "y=-2x") == same_answer("y=-2x", "2x+y=0")
+    assert same_answer("\\frac{1}{\\sqrt2}", "\\frac{\\sqrt2}{2}") and not same_answer("1", None)

@@ -1,0 +1,272 @@
+"""grpo.py: advantages, the clipped loss and its gradient, chunked log-probs, and the update step."""
+import copy
+import math
+
+import pytest
+import torch
+
+from grpo import (
+    GRPOSettings,
+    Rollouts,
+    cosine_schedule,
+    group_advantages,
+    grpo_step,
+    make_optimizer,
+    pad_batch,
+    policy_loss,
+    token_logprobs,
+)
+from helpers import (
+    make_tiny_model,
+    small_vocab_model,
+)
+from sampler import generate
+
+GRPO_PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+
+
+COMPLETIONS = [[11, 12], [13, 14, 15, 16], [17], [18, 19, 20]]
+
+
+def test_group_advantages_standardise_within_each_group():
+    advantages = group_advantages([1, 0, 0, 1, 1, 1, 1, 0], group_size=4)
+    half = 0.5 / math.sqrt(1 / 3)  # group 1: mean 0.5, unbiased std sqrt(1/3)
+    expected = [half, -half, -half, half, 0.5, 0.5, 0.5, -1.5]  # group 2: mean 0.75, std 0.5
+    torch.testing.assert_close(advantages, torch.tensor(expected), atol=1e-5, rtol=0)
+
+
+def test_group_advantages_unscaled_only_centre():
+    advantages = group_advantages([1, 0, 0, 1, 1, 1, 1, 0], group_size=4, scale=False)
+    torch.testing.assert_close(advantages, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]))
+
+
+def test_group_advantages_of_tied_group_are_exactly_zero():
+    advantages = group_advantages([0.1, 0.1, 0.1, 0.7, 0.7, 0.7], group_size=3)
+    assert advantages.tolist() == [0.0] * 6
+
+
+def test_group_advantages_reject_partial_groups():
+    with pytest.raises(ValueError, match="group_size=4"):
+        group_advantages([1, 0, 1], group_size=4)
+
+
+def _two_sequences():
+    """Sequence 0 (A = 1): three tokens with ratios 1.1, 0.9, 1.0 (inside the clip range).
+    Sequence 1 (A = -2): one valid token with ratio 0.5 (clipped to 0.8), then padding with a huge ratio."""
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    old_logp = torch.full((2, 3), -2.0)
+    logp = old_logp + torch.tensor([[1.1, 0.9, 1.0], [0.5, 1e6, 1e6]]).log()
+    return logp, old_logp, torch.tensor([1.0, -2.0]), mask
+
+
+@pytest.mark.parametrize("agg, expected", [
+    ("token-mean", (-1.1 - 0.9 - 1.0 + 1.6) / 4),
+    ("seq-mean-token-mean", ((-1.1 - 0.9 - 1.0) / 3 + 1.6) / 2),
+    ("seq-mean-token-sum-norm", (-1.1 - 0.9 - 1.0 + 1.6) / (2 * 4)),
+])
+def test_policy_loss_matches_hand_computed_value(agg, expected):
+    loss, _ = policy_loss(*_two_sequences(), agg=agg, norm_len=4)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_policy_loss_adds_k3_kl_to_the_reference():
+    logp, old_logp, _, mask = _two_sequences()
+    ref_logp = logp + torch.tensor([[math.log(2), 0.0, 0.0], [math.log(0.5), 0.0, 0.0]])
+    loss, stats = policy_loss(logp, old_logp, torch.zeros(2), mask, ref_logp=ref_logp, kl_coef=0.1)
+    k3 = (2 - math.log(2) - 1) + (0.5 - math.log(0.5) - 1)
+    assert loss.item() == pytest.approx(0.1 * k3 / 4, abs=1e-6)
+    assert stats["kl_ref"].item() == pytest.approx(k3 / 4, abs=1e-6)
+
+
+def test_policy_loss_reports_clip_fractions_and_mean_ratio():
+    _, stats = policy_loss(*_two_sequences())
+    assert stats["clip_low"].item() == pytest.approx(0.25)  # the A < 0 token at ratio 0.5
+    assert stats["clip_high"].item() == 0.0
+    assert stats["ratio"].item() == pytest.approx((1.1 + 0.9 + 1.0 + 0.5) / 4)
+
+
+def test_policy_loss_rejects_sum_norm_without_norm_len():
+    with pytest.raises(ValueError, match="norm_len"):
+        policy_loss(*_two_sequences(), agg="seq-mean-token-sum-norm")
+
+
+def test_policy_loss_gradient_matches_finite_differences():
+    torch.manual_seed(0)
+    logp = (-torch.rand(3, 5, dtype=torch.float64) * 3).requires_grad_()
+    old_logp = logp.detach() + 0.3 * torch.randn(3, 5, dtype=torch.float64)
+    ref_logp = logp.detach() + 0.3 * torch.randn(3, 5, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    advantages = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
+
+    def loss(x):
+        return policy_loss(x, old_logp, advantages, mask, agg="seq-mean-token-mean", ref_logp=ref_logp,
+                           kl_coef=0.05)[0]
+    assert torch.autograd.gradcheck(loss, (logp,))
+
+
+def test_policy_loss_gradient_is_zero_when_all_advantages_are_zero():
+    logp, old_logp, _, mask = _two_sequences()
+    logp.requires_grad_()
+    policy_loss(logp, old_logp, torch.zeros(2), mask)[0].backward()
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+
+
+def test_clipped_tokens_get_zero_gradient_exactly_where_the_formula_says():
+    ratios = torch.tensor([0.5, 0.79, 0.81, 1.0, 1.19, 1.21, 1.5]).repeat(2, 1)  # [2, 7]
+    logp = ratios.log().requires_grad_()
+    advantages = torch.tensor([1.0, -1.0])
+    mask = torch.ones(2, 7)
+    policy_loss(logp, torch.zeros(2, 7), advantages, mask)[0].backward()
+    cut = torch.stack([ratios[0] > 1.2, ratios[1] < 0.8])  # A > 0 above 1 + eps, A < 0 below 1 - eps
+    assert torch.equal(logp.grad == 0, cut)
+
+
+def _plain_logprobs(model, input_ids, attention_mask, response_mask):
+    """The reference: full logits, float32 log_softmax, gather."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+    logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return torch.nn.functional.pad(logp, (1, 0)) * response_mask
+
+
+def test_pad_batch_right_pads_and_marks_completions():
+    input_ids, attention_mask, response_mask = pad_batch([[1, 2], [3]], [[4], [5, 6, 7]])
+    assert input_ids.tolist() == [[1, 2, 4, 0], [3, 5, 6, 7]]
+    assert attention_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert response_mask.tolist() == [[False, False, True, False], [False, True, True, True]]
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 10_000])
+@pytest.mark.parametrize("tied", [True, False])
+def test_token_logprobs_equal_plain_log_softmax_gather(tokenizer, chunk_rows, tied):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
+    batch = pad_batch(GRPO_PROMPTS, COMPLETIONS)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, *batch, chunk_rows=chunk_rows)
+        expected = _plain_logprobs(model, *batch)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=0)
+
+
+def test_token_logprobs_entropy_equals_softmax_entropy(tiny_model):
+    batch = pad_batch(GRPO_PROMPTS, COMPLETIONS)
+    with torch.no_grad():
+        _, entropy = token_logprobs(tiny_model, *batch, chunk_rows=3)
+        logits = tiny_model(input_ids=batch[0], attention_mask=batch[1]).logits.float()
+    expected = torch.distributions.Categorical(logits=logits).entropy()
+    expected = torch.nn.functional.pad(expected[:, :-1], (1, 0)) * batch[2]
+    torch.testing.assert_close(entropy, expected, atol=1e-5, rtol=1e-4)  # float32 sums over 152k terms
+
+
+def test_token_logprobs_at_the_sampling_temperature_are_the_samplers_own():
+    """The sampler's log-probability of the tokens it drew at temperature T (no top-p) is what the update
+    computes at T; at T = 1 it is not (the test can tell them apart)."""
+    model = small_vocab_model()
+    prompts = [[3, 5, 7], [11, 13]]
+    groups = generate(model, None, prompts, n=3, max_new_tokens=8, temperature=0.6, top_p=1.0, seed=0)
+    completions = [c for group in groups for c in group]
+    batch = pad_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions])
+    sampled = torch.tensor([c.logprob for c in completions])
+    with torch.no_grad():
+        at_t = token_logprobs(model, *batch, temperature=0.6)[0].sum(-1)
+        at_1 = token_logprobs(model, *batch)[0].sum(-1)
+    torch.testing.assert_close(at_t, sampled, atol=1e-4, rtol=1e-5)
+    assert (at_1 - sampled).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_token_logprobs_gradient_equals_plain_gradient(tokenizer, tied):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
+    reference = copy.deepcopy(model)
+    batch = pad_batch(GRPO_PROMPTS, COMPLETIONS)
+    weights = torch.randn(batch[0].shape, generator=torch.Generator().manual_seed(0))
+    (token_logprobs(model, *batch, chunk_rows=3)[0] * weights).sum().backward()
+    (_plain_logprobs(reference, *batch) * weights).sum().backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_give_the_full_batch_update(tiny_model, agg):
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    deltas = []
+    for token_budget in (4, 10_000):  # one sequence per micro-batch vs all in one
+        model = copy.deepcopy(tiny_model)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        grpo_step(model, optimizer, cosine_schedule(optimizer, 1), Rollouts(GRPO_PROMPTS, COMPLETIONS, rewards),
+                  GRPOSettings(2, agg=agg, norm_len=4, token_budget=token_budget, max_grad_norm=math.inf, bf16=False))
+        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
+    assert deltas[0].abs().max() > 0
+    torch.testing.assert_close(deltas[0], deltas[1], atol=1e-5, rtol=1e-3)
+
+
+def test_one_mini_batch_is_one_optimizer_step_whose_clip_never_binds(tiny_model):
+    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
+    scheduler = cosine_schedule(optimizer, 10)
+    metrics = grpo_step(tiny_model, optimizer, scheduler, Rollouts(GRPO_PROMPTS * 2, COMPLETIONS * 2,
+                        [1.0, 0.0, 0.0, 1.0] * 2), GRPOSettings(2, bf16=False))
+    assert metrics["optimizer_steps"] == 1 and scheduler.last_epoch == 1
+    assert metrics["clip_frac"] == 0.0 and metrics["ratio"] == 1.0  # pi_theta is pi_old throughout
+
+
+def test_each_mini_batch_takes_an_optimizer_step_against_the_sampling_policy(tiny_model):
+    """Four groups, one per mini-batch: four optimizer (and scheduler) steps, and from the second on the
+    ratio is taken against the policy that sampled, fixed before the first step, so the clip binds."""
+    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
+    scheduler = cosine_schedule(optimizer, 10)
+    metrics = grpo_step(tiny_model, optimizer, scheduler, Rollouts(GRPO_PROMPTS * 2, COMPLETIONS * 2,
+                        [1.0, 0.0, 0.0, 1.0] * 2), GRPOSettings(2, mini_batch_groups=1, bf16=False))
+    assert metrics["optimizer_steps"] == 4 and scheduler.last_epoch == 4
+    assert metrics["clip_frac"] > 0 and abs(metrics["ratio"] - 1) > 1e-3
+
+
+def test_float32_master_weights_keep_updates_below_bfloat16_resolution(tiny_model):
+    norm = tiny_model.model.norm.weight  # initialised to exactly 1.0
+    optimizer = make_optimizer(tiny_model, lr=5e-7)
+    grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 10), Rollouts(GRPO_PROMPTS, COMPLETIONS,
+              [1.0, 0.0, 0.0, 1.0]), GRPOSettings(2, bf16=True))
+    moved = norm.detach() != 1.0
+    assert moved.any()
+    assert torch.equal(norm.detach()[moved].bfloat16(), torch.ones(int(moved.sum()), dtype=torch.bfloat16))
+
+
+def test_grpo_step_rewarding_a_token_raises_its_probability(tiny_model):
+    chosen, prompt = 1234, [100, 101, 102]
+    generator = torch.Generator().manual_seed(0)
+    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
+    scheduler = cosine_schedule(optimizer, total_steps=3)
+
+    def chosen_probability():
+        with torch.no_grad():
+            logits = tiny_model(input_ids=torch.tensor([prompt])).logits[0, -1]
+        return torch.softmax(logits.float(), -1)[chosen].item()
+
+    before = chosen_probability()
+    for _ in range(3):
+        completions = torch.randint(2000, 3000, (8, 4), generator=generator).tolist()
+        rewards = [float(i % 2) for i in range(8)]  # half of each group contains the token and is rewarded
+        for completion, reward in zip(completions, rewards):
+            completion[0] = chosen if reward else completion[0]
+        grpo_step(tiny_model, optimizer, scheduler, Rollouts([prompt] * 8, completions, rewards), GRPOSettings(4))
+    assert chosen_probability() > 2 * before
+
+
+def test_grpo_step_runs_under_accelerate(tiny_model):
+    from accelerate import Accelerator
+    accelerator = Accelerator(cpu=True)
+    optimizer = make_optimizer(tiny_model, lr=1e-3)
+    model, optimizer = accelerator.prepare(tiny_model, optimizer)
+    metrics = grpo_step(model, optimizer, cosine_schedule(optimizer, 10), Rollouts(GRPO_PROMPTS, COMPLETIONS,
+                        [1.0, 0.0, 0.0, 1.0]), GRPOSettings(2), accelerator=accelerator)
+    assert metrics["grad_norm"] > 0 and metrics["response_tokens"] == 10
+
+
+def test_cosine_schedule_warms_up_then_decays_to_zero():
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    scheduler = cosine_schedule(optimizer, total_steps=6, warmup_steps=2)
+    lrs = []
+    for _ in range(7):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    cosine = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
+    assert lrs == pytest.approx([0.5, 1.0, *cosine])

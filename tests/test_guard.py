@@ -1,0 +1,25 @@
+"""guard.py: the hard-coding guard on programs that copy the candidate answer in."""
+from guard import hardcoded
+from helpers import GUARD_PROBLEM
+
+
+def test_a_small_answer_used_as_a_constant_is_no_copy():
+    problem = "Sam has four socks and pairs them. How many pairs?"
+    assert not hardcoded("s = 'abcd'\nprint(len(s) // 2)", problem, "2")
+    assert not hardcoded("pairs = [('a', 'b'), ('c', 'd')]\nprint(len(pairs[1]))", problem, "2")
+    assert hardcoded("print(2 + 0)", problem, "2")
+
+
+def test_a_value_the_problem_supplies_or_another_answer_is_no_copy():
+    assert not hardcoded("print(1320)", "What is 1320 divided by 1?", "1320")
+    assert not hardcoded("print(1320)", GUARD_PROBLEM, "1321")
+    assert hardcoded("from fractions import Fraction\nprint(Fraction(3, 4))", "Find the ratio p/q.", "\\frac34")
+    assert not hardcoded("from fractions import Fraction\nprint(Fraction(3, 4))", "3 of every 4 cats ...", "\\frac34")
+
+
+def test_a_word_the_problem_offers_is_no_copy():
+    problem = "She spins 2250 degrees to her right. Which direction (north, south, east or west) is she facing?"
+    chosen = "turns = 2250 // 90 % 4\nd = 'east' if turns == 1 else 'north'\nprint(d)"
+    assert not hardcoded(chosen, problem, "\\text{east}")
+    assert hardcoded(chosen, "She spins 2250 degrees to her right. Which way is she facing?", "\\text{east}")
+    assert hardcoded("print('Evelyn')", "Which student ran fastest?", "\\text{Evelyn}")

@@ -1,0 +1,229 @@
+"""knk.py: Knights and Knaves, the logic domain (generator, answers, the z3 tool, a training step)."""
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+import config
+import domains
+import knk
+import t3rl
+from helpers import (
+    ROOT,
+    ScriptedVerifier,
+    rows,
+    tiny_argv,
+)
+from sandbox import SandboxPool
+from verifier import (
+    VERIFIER_SYSTEM,
+    model_verifier,
+    verifier_prompt,
+    verify_batch,
+)
+from voting import weighted_vote
+
+KNK = [json.loads(line) for line in (ROOT / "data" / "knk.jsonl").read_text().splitlines()]
+
+
+KNK_4 = next(r for r in KNK if r["level"] == 4)  # Zoey, Ethan, Michael, Samuel: knight, knight, knave, knave
+
+
+def flip_one(answer, who=0):
+    """The same assignment with one person's role flipped: the closest wrong answer."""
+    world = knk.parse_assignment(answer)
+    name = list(world)[who]
+    return knk.canonical(list(world), {**world, name: not world[name]})
+
+
+def test_knk_set_regenerates_byte_for_byte(tmp_path):
+    out = tmp_path / "knk.jsonl"
+    done = subprocess.run([sys.executable, "knk.py", "--generate", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert out.read_bytes() == (ROOT / "data" / "knk.jsonl").read_bytes()
+    assert knk.generate(5, seed=1) != knk.generate(5, seed=0)  # the seed matters
+
+
+def test_knk_puzzles_have_one_solution_which_is_the_answer():
+    assert len(KNK) == 100 and sorted({r["level"] for r in KNK}) == list(range(2, 9))
+    for r in KNK:
+        names, statements = r["names"], r["statements"]
+        [solution] = knk.solutions(names, names, statements)
+        assert knk.canonical(names, dict(zip(names, solution))) == r["answer"]
+        assert knk.puzzle_names(r["problem"]) == names and r["level"] == len(names)
+        assert all(knk.text(st) in r["problem"] for st in statements)
+        assert r["problem"].endswith("So who is a knight and who is a knave?")
+        # the guard's premise: no statement fixes anybody on its own, and each names someone else
+        assert not any(knk.fixes_someone(n, st) for n, st in zip(names, statements))
+        assert all(set(knk.mentioned(st)) - {n} for n, st in zip(names, statements))
+
+
+def test_knk_generator_enumerates_solutions_correctly():
+    statements = [["is", "B", "knave"], ["is", "A", "knave"]]  # A: "B is a knave", B: "A is a knave"
+    assert knk.solutions(["A", "B"], ["A", "B"], statements) == [(True, False), (False, True)]
+    assert knk.fixes_someone("A", ["and", ["is", "A", "knave"], ["is", "B", "knight"]])  # A must be a knave
+    assert not knk.fixes_someone("A", ["or", ["is", "A", "knight"], ["is", "B", "knight"]])
+
+
+GOLD_4 = "Zoey: knight, Ethan: knight, Michael: knave, Samuel: knave"
+
+
+@pytest.mark.parametrize("text", [
+    "CONCLUSION:\n(1) Zoey is a knight\n(2) Ethan is a knight\n(3) Michael is a knave\n(4) Samuel is a knave",
+    "(1) Zoey is a knight (2) Ethan is a knight (3) Michael is a knave (4) Samuel is a knave. The answer is above? "
+    "Final answer: (1) Zoey is a knight (2) Ethan is a knight (3) Michael is a knave (4) Samuel is a knave",
+    "So $\\boxed{Samuel: knave, Michael: knave, Zoey: knight, Ethan: knight}$",
+    "\\boxed{\\text{Zoey is a knight, Ethan is a knight, Michael is a knave, Samuel is a knave}}",
+    "\\boxed{\\text{Zoey: Knight}, \\text{Ethan: Knight}, \\text{Michael: Knave}, \\text{Samuel: Knave}}",
+    "The answer is: Knights: Zoey, Ethan; Knaves: Michael, Samuel.",
+    "Final answer: Zoey and Ethan are knights, Michael and Samuel are knaves.",
+    "\\boxed{Zoey is a knight, Ethan is not a knave, Michael is not a knight, Samuel is a knave}",
+    "\\boxed{knight, knight, knave, knave}",
+    "Suppose Zoey is a knave; then ... contradiction. \\boxed{Zoey - Knight, Ethan - Knight, Michael - Knave, "
+    "Samuel - Knave}",
+])
+def test_knk_answer_spellings_read_as_the_canonical_assignment(text):
+    assert knk.extract_answer(text, KNK_4["problem"]) == GOLD_4 == KNK_4["answer"]
+
+
+@pytest.mark.parametrize("text", [
+    "\\boxed{Zoey: knight, Ethan: knight, Michael: knave}",                          # Samuel is missing
+    "\\boxed{Zoey: knight, Ethan: knight, Michael: knave, Samuel: knave, Bob: knight}",  # Bob is not there
+    "\\boxed{Zoe is a knight, Ethan is a knight, Michael is a knave, Samuel is a knave}",  # misspelt
+    "Suppose Zoey is a knight, Ethan is a knight, Michael is a knave and Samuel is a knave.",  # no answer stated
+    "\\boxed{knight, knave}",                                                          # two roles for four
+])
+def test_knk_unknown_name_or_missing_person_gives_no_answer(text):
+    assert knk.extract_answer(text, KNK_4["problem"]) is None
+
+
+def test_knk_equal_assignments_vote_together_and_grade_equal():
+    other_order = "Samuel: knave, Michael: knave, Ethan: knight, Zoey: knight"
+    assert knk.answer_key(other_order) == knk.answer_key(GOLD_4) and knk.same_answer(other_order, GOLD_4)
+    assert knk.is_equiv(other_order, GOLD_4) and not knk.is_equiv(flip_one(GOLD_4, 2), GOLD_4)
+    assert not knk.is_equiv(None, GOLD_4)
+    label = weighted_vote([GOLD_4, other_order, flip_one(GOLD_4)], [0, 0, 0], omega=1.0,
+                          key=knk.answer_key, same=knk.same_answer).label
+    assert knk.same_answer(label, GOLD_4)
+
+
+@pytest.fixture(scope="module")
+def knk_pool():
+    with SandboxPool(timeout=5.0) as p:
+        yield p
+
+
+def smt_block(script):
+    return f"Encoding each statement:\n```smt2\n{script}\n```"
+
+
+def reference_smt(record, drop=None):
+    """The puzzle's encoding; drop=i leaves out the i-th statement (then the solution is not unique)."""
+    lines = knk.smt_script(record["names"], record["statements"]).splitlines()
+    dropped = None if drop is None else f"(assert (= {record['names'][drop]} "
+    return "\n".join(line for line in lines if dropped is None or not line.startswith(dropped))
+
+
+def asserted_smt(answer):
+    world = knk.parse_assignment(answer)
+    declared = "".join(f"(declare-const {n} Bool)\n" for n in world)
+    return declared + "(assert (and " + " ".join(n if v else f"(not {n})" for n, v in world.items()) + "))\n(check-sat)"
+
+
+def verify_knk(completions, answers, pool, record=KNK_4):
+    scripted = ScriptedVerifier(*completions)
+    results = verify_batch([record["problem"]] * len(answers), ["\\boxed{...}"] * len(answers), answers, scripted,
+                           domains.DOMAINS["knk"], pool)
+    assert all(p.system == knk.KNK_SYSTEM and record["problem"] in p.user for p in scripted.batches[0])
+    return results
+
+
+def test_knk_tool_verifies_a_right_script_and_mismatches_a_wrong_assignment(knk_pool):
+    right, wrong = KNK_4["answer"], flip_one(KNK_4["answer"], 1)
+    results = verify_knk([smt_block(reference_smt(KNK_4))] * 2, [right, wrong], knk_pool)
+    assert [(r.v, r.status) for r in results] == [(1, "verified"), (0, "mismatch")], [r.output for r in results]
+    assert knk.same_answer(results[1].result, right)  # the solver found the right one, not the rollout's
+
+
+def test_knk_script_asserting_the_candidate_is_caught(knk_pool):
+    answer = KNK_4["answer"]
+    cheat = asserted_smt(answer)
+    also_statements = reference_smt(KNK_4) + "\n(assert (not Michael))"  # one fact on top of the encoding
+    results = verify_knk([smt_block(cheat), smt_block(also_statements)], [answer, answer], knk_pool)
+    assert [(r.v, r.status) for r in results] == [(0, "hardcoded"), (0, "hardcoded")]
+    assert results[1].result == "asserts Michael"
+
+
+def test_knk_closing_parentheses_that_close_nothing_are_dropped_before_the_solver(knk_pool):
+    """A small verifier's typical slip, `(assert (= Zoey (not Oliver))))`, made z3 refuse the whole script;
+    the closers at depth 0 go (a comment's parentheses stay), and the encoding is solved as written."""
+    right, wrong = KNK_4["answer"], flip_one(KNK_4["answer"], 1)
+    sloppy = "; who says what (each line closes once too often)\n" + reference_smt(KNK_4).replace(")))\n", "))))\n")
+    assert sloppy.count(")") > reference_smt(KNK_4).count(")") + 1
+    results = verify_knk([smt_block(sloppy)] * 2, [right, wrong], knk_pool)
+    assert [(r.v, r.status) for r in results] == [(1, "verified"), (0, "mismatch")], [r.output for r in results]
+    assert knk.extract_smt(smt_block(sloppy)).startswith("; who says what (each line closes once too often)")
+
+
+def test_knk_non_unique_unsat_and_broken_scripts_do_not_verify(knk_pool):
+    answer = KNK_4["answer"]
+    broken = reference_smt(KNK_4).replace("(assert", "(assert (", 1)
+    unsat = reference_smt(KNK_4) + "\n(assert (= Zoey (not Zoey)))"
+    completions = [smt_block(reference_smt(KNK_4, drop=0)), smt_block(unsat), smt_block(broken), "no script here"]
+    results = verify_knk(completions, [answer] * 4, knk_pool)
+    assert [r.status for r in results] == ["mismatch", "mismatch", "exec_error", "no_code"]
+    assert [r.result for r in results[:2]] == ["not unique", "unsat"] and sum(r.v for r in results) == 0
+
+
+def test_knk_reference_encodings_of_the_set_verify_in_one_sandbox_batch(knk_pool):
+    records = [r for size in range(2, 9) for r in [r for r in KNK if r["level"] == size][:3]]
+    runs = knk.smt_tool([reference_smt(r) for r in records], knk_pool)
+    assert all(run.status == "ok" and knk.smt_agrees(run.result, r["answer"]) for run, r in zip(runs, records))
+
+
+def test_knk_verifier_chat_gets_the_knk_system_prompt(tiny_model, tokenizer, monkeypatch):
+    import sampler
+    seen = []
+    real = sampler.generate
+    monkeypatch.setattr(sampler, "generate", lambda model, tok, prompts, **kw: seen.extend(prompts) or
+                        real(model, tok, prompts, **kw))
+    prompt = verifier_prompt(KNK_4["problem"], "\\boxed{Zoey: knight}", domains.DOMAINS["knk"])
+    model_verifier(tiny_model, tokenizer, max_new_tokens=1, seed=0)([prompt])
+    assert knk.KNK_SYSTEM in seen[0] and VERIFIER_SYSTEM not in seen[0] and KNK_4["problem"] in seen[0]
+
+
+def test_knk_training_step_votes_with_solver_verified_rollouts(tiny_dir, tmp_path, monkeypatch):
+    """--bench knk end to end on the tiny model: the rollouts' answers are scripted (the tiny model writes none),
+    the verifier writes each puzzle's encoding; z3 verifies exactly the rollouts that give the gold assignment."""
+    by_problem = {r["problem"]: r for r in KNK}
+
+    def scripted_answer(text, problem):
+        gold = by_problem[problem]["answer"]
+        return gold if len(text) % 2 else flip_one(gold)
+
+    def encoding_verifier(prompts):
+        return [smt_block(reference_smt(next(r for p, r in by_problem.items() if p in prompt.user))) for prompt in prompts]
+
+    policy_prompts, real_generate = [], t3rl.generate
+    monkeypatch.setattr(t3rl, "generate", lambda model, tok, prompts, **kw: policy_prompts.extend(prompts) or
+                        real_generate(model, tok, prompts, **kw))
+    monkeypatch.setitem(domains.DOMAINS, "knk", dataclasses.replace(domains.DOMAINS["knk"], extract=scripted_answer))
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device: encoding_verifier)
+    monkeypatch.delenv("T3RL_DATA_DIR", raising=False)  # data/knk.jsonl, the committed set
+    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path, bench="knk", limit=2, max_steps=1, eval_samples=0)))
+    # the policy is asked for the assignment's form (else a small model boxes one word), in training and eval
+    assert policy_prompts and all(domains.KNK_INSTRUCTION in p and domains.MATH_INSTRUCTION not in p for p in policy_prompts)
+    rollouts = rows(run, "rollouts.jsonl")
+    assert len(rollouts) == 2 * 4 and {r["id"] for r in rollouts} == {"knk-000", "knk-001"}
+    golds = {r["id"]: r["answer"] for r in KNK}
+    assert all((r["status"] == "verified") == (r["answer"] == golds[r["id"]]) for r in rollouts)
+    assert {r["status"] for r in rollouts} == {"verified", "mismatch"}
+    # omega 5: a verified gold answer wins the vote even where it is the minority
+    assert all(r["label"] == golds[r["id"]] for r in rollouts if any(
+        o["status"] == "verified" for o in rollouts if o["id"] == r["id"]))
+    metrics = rows(run, "metrics.jsonl")
+    assert [m["kind"] for m in metrics] == ["eval", "train", "eval"]
+    assert set(metrics[0]["by_level"]) == {"2", "3"} and metrics[1]["verifier_precision"] == 1.0

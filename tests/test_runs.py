@@ -1,0 +1,141 @@
+"""runs.py: the run folder, checkpoints and their repair, trackers."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import config
+import runs
+import t3rl
+from helpers import (
+    QUESTIONS,
+    copy_run,
+    final_weights,
+    interrupted_at_update,
+    rows,
+    tensorboard_scalars,
+    tiny_argv,
+    without_timing,
+    write_bench,
+)
+
+
+def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    pools = []
+
+    class RecordedPool(t3rl.SandboxPool):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pools.append(self)
+    monkeypatch.setattr(t3rl, "SandboxPool", RecordedPool)
+    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, sandbox_timeout=2.5)))
+    assert [pool.timeout for pool in pools] == [2.5]  # --sandbox-timeout reaches the pool
+    assert json.loads((run / "config.json").read_text())["n_votes"] == 4
+    metrics = rows(run, "metrics.jsonl")
+    assert [m["kind"] for m in metrics] == ["eval", "train", "train", "eval"]
+    assert {"label_accuracy", "majority_label_accuracy", "verified_ratio", "status", "grpo/loss"} <= set(metrics[1])
+    rollouts = rows(run, "rollouts.jsonl")
+    assert len(rollouts) == 2 * 2 * 4 and sum(r["kept"] for r in rollouts) == 2 * 2 * 2
+    assert {r["status"] for r in rollouts} <= {"verified", "mismatch", "skipped"}  # the preset verifies lazily
+    assert all((r["status"] == "verified") == (r["answer"] == "2") for r in rollouts if r["status"] != "skipped")
+    assert (run / "checkpoint" / "state.pt").is_file() and (run / "curves.png").stat().st_size > 1000
+
+
+def train_until_interrupted(monkeypatch, argv, update: int):
+    """Run t3rl.train on argv and press Ctrl-C in the middle of its update-th GRPO update."""
+    with interrupted_at_update(monkeypatch, update), pytest.raises(KeyboardInterrupt):
+        t3rl.train(config.parse_config(argv))
+
+
+def test_report_to_tensorboard_logs_every_row_and_a_resumed_run_continues_it(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    # step 3 (index 2) is logged after the checkpoint at 2, then step 4 dies: the resumed run logs step 3 again
+    train_until_interrupted(monkeypatch, tiny_argv(tiny_dir, tmp_path / "out", eval_samples=0, report_to="tensorboard"),
+                            update=4)
+    run = tmp_path / "out" / "run"
+    assert max(step for step, _ in tensorboard_scalars(run / "t3rl")["label_accuracy"]) == 3
+    t3rl.train(config.parse_config(["--resume", str(run)]))
+
+    scalars = tensorboard_scalars(run / "t3rl")
+    expected = {}
+    for row in rows(run, "metrics.jsonl"):
+        for key, value in runs.tracker_row(row).items():
+            expected.setdefault(key, []).append((row["step"] + (row["kind"] == "train"), value))
+    assert "status/verified" in expected and "pass@1" in expected and "grpo/loss" in expected
+    assert scalars.keys() == expected.keys()
+    for key, points in expected.items():  # every row once, at its step, with its value (to float32 precision)
+        assert [step for step, _ in scalars[key]] == [step for step, _ in points], key
+        assert [value for _, value in scalars[key]] == pytest.approx([value for _, value in points], rel=1e-6), key
+    hparams = [path.read_text() for path in (run / "t3rl").glob("*/hparams.yml")]  # one per start
+    assert len(hparams) == 2 and all("n_votes: 4" in h and "report_to: tensorboard" in h for h in hparams)
+
+
+def resume(run: Path, finished_run: Path, monkeypatch) -> Path:
+    monkeypatch.setenv("T3RL_DATA_DIR", str(finished_run.parent.parent / "data"))
+    return t3rl.train(config.parse_config(["--resume", str(run)]))
+
+
+def assert_same_run(run: Path, reference: Path):
+    assert without_timing(rows(run, "metrics.jsonl")) == without_timing(rows(reference, "metrics.jsonl"))
+    assert rows(run, "rollouts.jsonl") == rows(reference, "rollouts.jsonl")
+    a, b = final_weights(run), final_weights(reference)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_path, monkeypatch, patched, capsys):
+    run = copy_run(finished_run, tmp_path / "out" / "run", final=False)
+    state = (run / "checkpoint" / "state.pt").read_bytes()
+    (run / "checkpoint" / "state.pt").write_bytes(state[:len(state) // 2])  # a disk that filled up
+    resume(run, finished_run, monkeypatch)
+    err = capsys.readouterr().err
+    assert "checkpoint/state.pt is damaged" in err and "moved it to checkpoint.damaged/" in err
+    assert "resuming after step 2" in err
+    assert_same_run(run, finished_run)  # steps 3 and 4 computed again, to the same numbers and weights
+    assert (run / "checkpoint.damaged" / "model").is_dir()
+    assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
+
+
+def test_truncated_weights_are_a_damaged_checkpoint(finished_run, tmp_path):
+    run = copy_run(finished_run, tmp_path / "run")
+    assert runs.checkpoint_damage(run / "checkpoint") is None
+    weights = run / "checkpoint" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    assert runs.checkpoint_damage(run / "checkpoint") == "checkpoint/model/model.safetensors is truncated"
+
+
+def test_resume_drops_torn_last_lines_and_a_stale_checkpoint_old(finished_run, tmp_path, monkeypatch, patched, capsys):
+    run = copy_run(finished_run, tmp_path / "out" / "run", upto=2)
+    for name, torn in (("metrics.jsonl", '{"kind": "train", "st'), ("rollouts.jsonl", '{"step": 2, "id": "q')):
+        with open(run / name, "a") as fh:
+            fh.write(torn)  # a kill in the middle of an append
+    for leftover in ("checkpoint.old", "checkpoint.tmp"):
+        (run / leftover / "model").mkdir(parents=True)
+        (run / leftover / "model" / "junk.bin").write_bytes(b"0" * 100)
+    resume(run, finished_run, monkeypatch)
+    err = capsys.readouterr().err
+    assert "metrics.jsonl:" in err and "rollouts.jsonl:" in err and err.count("dropped a half-written last line") == 2
+    assert_same_run(run, finished_run)
+    assert not (run / "checkpoint.tmp").exists()
+    assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
+
+
+def test_deleted_metrics_do_not_make_the_final_eval_the_before(finished_run, tmp_path, monkeypatch, patched, capsys):
+    run = copy_run(finished_run, tmp_path / "out" / "run", final=False)
+    (run / "metrics.jsonl").unlink()
+    resume(run, finished_run, monkeypatch)
+    table = capsys.readouterr().out
+    assert "no step-0 evaluation" in table and "'before' is unknown" in table
+    pass_at_1 = [line.split() for line in table.splitlines() if line.startswith("pass@1")]
+    assert pass_at_1 and pass_at_1[0][1] == "-"
+    assert [r.get("final") for r in rows(run, "metrics.jsonl")] == [True]
+
+
+def test_resume_lists_the_bookkeeping_options_it_may_change(finished_run, tmp_path, capsys):
+    run = copy_run(finished_run, tmp_path / "run", final=False)
+    cfg = config.parse_config(["--resume", str(run), "--save-every", "1", "--lr", "0.001"])  # lr as saved: no change
+    assert (cfg.save_every, cfg.lr, cfg.n_votes) == (1, 1e-3, 4)
+    assert "[t3rl] --resume: --save-every 2 -> 1" in capsys.readouterr().err

@@ -1,0 +1,318 @@
+"""sandbox.py: the pool that runs untrusted programs, and what it protects."""
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from sandbox import SandboxPool, run_snippet
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+
+
+def _processes():
+    """{pid: (ppid, cmdline)} of every process on the host."""
+    table = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    table[int(name)] = (ppid, f.read().replace(b"\0", b" ").decode(errors="replace"))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return table
+
+
+def _descendants(pid, depth=1, exact=False):
+    """Processes at least (exact: exactly) `depth` generations below `pid`, from one look at the process table."""
+    table = _processes()
+    found, frontier, generation = set(), {pid}, 0
+    while frontier:
+        frontier = {p for p, (ppid, _) in table.items() if ppid in frontier}
+        generation += 1
+        found |= frontier if generation == depth or (generation > depth and not exact) else set()
+    return found
+
+
+def _spawned_by_snippets(pool):
+    """Below the helper: launcher, worker, snippet process, then whatever a snippet spawned."""
+    return _descendants(pool._helper.pid, depth=4)
+
+
+def _eventually(condition, patience=10.0):
+    """Killed processes are reaped right after the reply; wait for that (not a speed test)."""
+    deadline = time.monotonic() + patience
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def _with_marker(marker):
+    return [pid for pid, (_, cmdline) in _processes().items() if marker in cmdline]
+
+
+def _mounts():
+    with open("/proc/self/mountinfo") as f:
+        return sorted(line.split()[4] for line in f)
+
+
+def _cgroups(helper):
+    found = []
+    for _, dirs, _ in os.walk("/sys/fs/cgroup"):
+        found += [d for d in dirs if d.startswith(f"t3rl-sandbox-{helper}-")]
+    return found
+
+
+@pytest.mark.parametrize("code, expected", [
+    ("from sympy import symbols, solve\nx = symbols('x')\nprint(solve(x**2 - 5*x + 6, x))", "[2, 3]\n"),
+    ("import numpy as np\nprint(int(np.linalg.det(np.array([[2, 1], [1, 3]])).round()))", "5\n"),
+    ("from fractions import Fraction\nprint(sum(Fraction(1, n * (n + 1)) for n in range(1, 10)))", "9/10\n"),
+])
+def test_math_programs_print_the_right_value(pool, code, expected):
+    result = pool.run(code)
+    assert (result.status, result.stdout, result.returncode) == ("ok", expected, 0)
+
+
+def test_syntax_error_is_an_error_with_traceback(pool):
+    result = pool.run("print(1 +")
+    assert result.status == "error" and "SyntaxError" in result.stderr and result.returncode == 1
+
+
+def test_exception_is_an_error_with_traceback(pool):
+    result = pool.run("def f():\n    return 1 / 0\nf()")
+    assert result.status == "error"
+    assert result.stderr.startswith("Traceback") and "in f" in result.stderr and "ZeroDivisionError" in result.stderr
+
+
+@pytest.mark.parametrize("code", ["while True:\n    pass", "import time\ntime.sleep(60)"])
+def test_endless_programs_time_out_within_the_limit(pool, code):
+    result = pool.run(code, timeout=1.0)
+    assert result.status == "timeout" and result.duration < 1.0 + 0.5
+
+
+def test_memory_bomb_is_stopped_and_reported(pool):
+    result = pool.run("chunks = []\nwhile True:\n    chunks.append(bytearray(1 << 24))", timeout=30)
+    assert result.status == "memory" and "MemoryError" in result.stderr
+
+
+def test_fork_bomb_fails_and_leaves_nothing(pool):
+    bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    result = pool.run(bomb, timeout=1.0)
+    assert result.status == "timeout"
+    assert pool.run("print(2)").stdout == "2\n"
+    assert _eventually(lambda: _spawned_by_snippets(pool) == set())
+
+
+def test_os_system_and_subprocess_leave_no_process(pool):
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    code = (f"import os, subprocess\nos.system('sleep {marker} &')\n"
+            f"subprocess.Popen(['sleep', '{marker}'], start_new_session=True)\nprint('spawned')")
+    result = pool.run(code)
+    assert result.stdout == "spawned\n"
+    assert _with_marker(f"sleep {marker}") == []
+
+
+def test_background_child_is_gone_afterwards(pool):
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    code = ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+            f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nprint('left running')")
+    assert pool.run(code).stdout == "left running\n"
+    assert _with_marker(f"sleep {marker}") == []
+    assert _eventually(lambda: _spawned_by_snippets(pool) == set())
+
+
+def test_files_written_outside_its_folder_do_not_appear(pool, tmp_path):
+    name = f"t3rl-escape-{uuid.uuid4().hex}"
+    targets = [os.path.join(d, name) for d in ("/tmp", os.path.expanduser("~"), os.getcwd(), str(tmp_path), "/")]
+    code = (f"for path in {targets!r}:\n    try:\n        open(path, 'w').write('x')\n"
+            "    except OSError as e:\n        print(type(e).__name__)")
+    pool.run(code)
+    assert [t for t in targets if os.path.exists(t)] == []
+
+
+def test_callers_files_survive_a_snippet_deleting_them(pool, tmp_path):
+    kept = tmp_path / "results.jsonl"
+    kept.write_text("precious")
+    code = (f"import os, shutil\nfor path in [{str(kept)!r}, {__file__!r}]:\n    try:\n        os.remove(path)\n"
+            f"    except OSError:\n        pass\nshutil.rmtree({str(tmp_path)!r}, ignore_errors=True)\n"
+            f"shutil.rmtree({HERE!r}, ignore_errors=True)")
+    pool.run(code)
+    assert kept.read_text() == "precious" and os.path.exists(__file__)
+
+
+def test_secret_file_in_callers_working_folder_is_unreadable(pool):
+    secret = uuid.uuid4().hex
+    path = os.path.join(os.getcwd(), f".t3rl-secret-{secret[:8]}")
+    with open(path, "w") as f:
+        f.write(secret)
+    try:
+        code = (f"import glob\nfor p in [{path!r}] + glob.glob('/proc/*/cwd/{os.path.basename(path)}') + "
+                f"glob.glob('/proc/*/root{path}'):\n    try:\n        print(open(p).read())\n"
+                "    except OSError as e:\n        print(type(e).__name__)")
+        result = pool.run(code)
+    finally:
+        os.remove(path)
+    assert result.status == "ok" and secret not in result.stdout
+
+
+def test_secret_in_parents_environment_is_unreadable(tmp_path):
+    secret = uuid.uuid4().hex
+    probe = ("import glob, os\nprint(dict(os.environ))\n"
+             "for p in ['/proc/%d/environ' % PARENT] + glob.glob('/proc/*/environ'):\n    try:\n"
+             "        print(p, open(p, 'rb').read())\n    except OSError as e:\n        print(p, type(e).__name__)")
+    parent = ("import os, sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import SandboxPool\n"
+              "with SandboxPool(workers=1) as pool:\n"
+              "    result = pool.run(sys.argv[2].replace('PARENT', str(os.getpid())))\n"
+              "print(result.status)\nprint(result.stdout)")
+    out = subprocess.run([sys.executable, "-c", parent, HERE, probe], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "T3RL_PLANTED_SECRET": secret}, cwd=tmp_path)
+    assert out.stdout.startswith("ok\n") and "environ" in out.stdout and secret not in out.stdout
+
+
+def test_output_flood_is_truncated_and_memory_stays_bounded(pool):
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    result = pool.run("import sys\nfor _ in range(1000):\n    sys.stdout.write('x' * 100_000)", timeout=30)
+    assert result.status == "output_limit" and len(result.stdout) == 64 << 10
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 20 << 10  # KiB
+
+
+def test_200_snippets_at_once_all_finish_correctly(pool):
+    results = pool.run_many([f"print({i} * {i})" for i in range(200)])
+    assert [r.stdout for r in results] == [f"{i * i}\n" for i in range(200)]
+
+
+def test_code_arriving_at_any_moment_of_the_idle_prefault_runs_correctly(pool):
+    # one at a time, so each request lands somewhere in the waiting process's prefault solve
+    results = [pool.run(f"import signal, time\ntime.sleep({i % 7} / 1e4)\n"
+                        f"print({i}, signal.getsignal(signal.SIGALRM) == signal.SIG_DFL)") for i in range(150)]
+    assert [(r.status, r.stdout) for r in results] == [("ok", f"{i} True\n") for i in range(150)]
+
+
+@pytest.mark.parametrize("code, statuses", [
+    ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(1, signal.SIGKILL)", {"ok", "error"}),
+    ("import os\nos.close(1)\nos.close(2)\nprint('gone')", {"ok", "error"}),
+    ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass", {"timeout"}),
+    ("import ctypes\nctypes.string_at(0)", {"killed"}),
+    ("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\xfd')", {"ok"}),
+    ("def f(n):\n    return f(n + 1)\nf(0)", {"error"}),
+    ("import sys\nsys.setrecursionlimit(10**9)\ndef f(n):\n    return f(n + 1)\nf(0)", {"timeout", "memory", "killed"}),
+])
+def test_the_pool_survives_anything_a_snippet_does(pool, code, statuses):
+    assert pool.run(code, timeout=1.0).status in statuses
+    assert [r.stdout for r in pool.run_many(["print(2)"] * 4)] == ["2\n"] * 4
+
+
+def test_a_dead_worker_is_reported_and_replaced(pool):
+    for worker in _descendants(pool._helper.pid, depth=2, exact=True):
+        os.kill(worker, signal.SIGKILL)
+    first = pool.run_many(["print(3)"] * 4)
+    assert {r.status for r in first} <= {"ok", "killed"} and "killed" in {r.status for r in first}
+    assert [r.stdout for r in pool.run_many(["print(3)"] * 4)] == ["3\n"] * 4
+
+
+def test_invalid_utf8_output_is_replaced(pool):
+    assert pool.run("import sys\nsys.stdout.buffer.write(b'\\xff ok')").stdout == "\ufffd ok"
+
+
+def test_stdin_reads_eof_at_once(pool):
+    assert pool.run("import sys\nprint(repr(sys.stdin.read()))", timeout=2).stdout == "''\n"
+
+
+def test_environment_is_empty_and_home_is_its_own_folder(pool):
+    result = pool.run("import os\nprint(sorted(os.environ))\nprint(os.environ['HOME'] == os.getcwd())")
+    assert result.stdout == "['HOME', 'LANG', 'PATH', 'TMPDIR']\nTrue\n"
+
+
+def test_its_folder_is_writable_and_fresh_each_time(pool):
+    code = "import os\nprint(os.listdir('.'))\nopen('scratch.txt', 'w').write('x')"
+    assert [r.stdout for r in pool.run_many([code] * 4)] == ["[]\n"] * 4
+
+
+def test_network_is_unreachable_even_on_loopback(pool):
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        result = pool.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('in')")
+    assert result.status == "error" and "in" not in result.stdout
+
+
+def test_report_names_every_protection(pool):
+    assert set(pool.protections) == {"isolation", "files", "proc", "cleanup", "network", "user", "processes", "limits"}
+    assert pool.report.count("\n") == len(pool.protections) - 1
+
+
+def test_user_namespace_isolation_runs_programs_and_protects_tmp():
+    with SandboxPool(workers=1, isolation="userns") as pool:
+        name = f"/tmp/t3rl-escape-{uuid.uuid4().hex}"
+        results = pool.run_many(["import sympy\nprint(sympy.factorial(5))", f"open({name!r}, 'w')"])
+        assert pool.protections["isolation"] == "userns"
+    assert [r.status for r in results] == ["ok", "error"] and results[0].stdout == "120\n"
+    assert not os.path.exists(name)
+
+
+def test_without_namespaces_sockets_are_blocked_and_the_report_says_so():
+    with pytest.warns(UserWarning, match="incomplete"):
+        pool = SandboxPool(workers=1, isolation="none")
+    with pool:
+        result = pool.run("import socket\nsocket.socket(socket.AF_INET, socket.SOCK_STREAM)")
+    assert result.status == "error" and "PermissionError" in result.stderr
+    assert "NOT protected" in pool.report and "seccomp" in pool.report
+
+
+def test_a_pool_starts_from_a_process_running_torch_threads():
+    torch = pytest.importorskip("torch")
+    torch.set_num_threads(2)
+    torch.ones(256, 256) @ torch.ones(256, 256)  # the intra-op thread pool is running now
+    with SandboxPool(workers=1) as pool:
+        assert pool.run("import numpy\nprint(numpy.ones(3).sum())").stdout == "3.0\n"
+
+
+def test_two_pools_side_by_side_each_work():
+    with SandboxPool(workers=1) as first, SandboxPool(workers=1) as second:
+        assert (first.run("print(1)").stdout, second.run("print(2)").stdout) == ("1\n", "2\n")
+
+
+def test_closing_leaves_no_process_mount_cgroup_or_folder():
+    mounts, temp_before = _mounts(), set(os.listdir(tempfile.gettempdir()))
+    pool = SandboxPool(workers=2, timeout=1.0)
+    helper = pool._helper.pid
+    pool.run_many(["import os\nos.system('sleep 100 &')\nwhile True:\n    pass",
+                   "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"])
+    pool.close()
+    assert _descendants(helper) == set() and helper not in _processes()
+    assert _cgroups(helper) == [] and _mounts() == mounts
+    assert [n for n in set(os.listdir(tempfile.gettempdir())) - temp_before if "sandbox" in n] == []
+
+
+def test_closed_pool_refuses_work():
+    pool = SandboxPool(workers=1)
+    pool.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        pool.run("print(1)")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: SandboxPool(workers=0), lambda: SandboxPool(timeout=0), lambda: SandboxPool(isolation="docker"),
+    lambda: SandboxPool(memory_bytes=1024),
+])
+def test_bad_settings_are_refused(make):
+    with pytest.raises(ValueError):
+        make()
+
+
+def test_code_must_be_text(pool):
+    with pytest.raises(TypeError, match="str"):
+        pool.run(b"print(1)")
+
+
+def test_run_snippet_uses_a_shared_pool():
+    assert run_snippet("print(6 * 7)").stdout == "42\n"

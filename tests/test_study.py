@@ -1,0 +1,217 @@
+"""study.py: the evidence study (verified vote vs majority on the same samples) and --replay."""
+import json
+import math
+import random
+
+import pytest
+
+import config
+import model as model_lib
+import runs
+import study
+import t3rl
+from domains import MATH
+from helpers import QUESTIONS, rows, tiny_argv, write_bench
+
+
+def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, patched, capsys):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lazy_verify=False)))
+    capsys.readouterr()
+    monkeypatch.setattr(t3rl, "load_model", lambda *a, **k: pytest.fail("replay loaded a model"))
+    tables = []
+    for spelling in (["--replay", str(run)], [f"--replay={run}"]):  # one parser: both spellings are the replay mode
+        t3rl.main([*spelling, "--omega", "1", "5", "inf"])
+        tables.append(capsys.readouterr().out)
+    assert tables[0] == tables[1]
+    table = tables[0].splitlines()
+    assert "4 rollout groups" in table[0] and [line.split()[0] for line in table[2:]] == ["1", "5", "inf"]
+    assert table[2].split()[3] == "0"  # omega = 1 is the majority vote itself: no flips
+    assert not (run.parent / "runs").exists() and sorted(p.name for p in run.parent.iterdir()) == ["run"]
+
+
+def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny_dir, tmp_path, monkeypatch, patched):
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # as many skipped verdicts as laziness makes
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2)))
+    assert "skipped" in {r["status"] for r in rows(run, "rollouts.jsonl")}
+    assert [line.split()[0] for line in study.replay(run, [1.0, 5.0]).splitlines()[2:]] == ["1", "5"]
+    with pytest.raises(runs.RunDirError, match=r"--omega 2 inf: the run verified lazily"):
+        study.replay(run, [1.0, 2.0, math.inf])
+
+
+
+
+def study_row(qid, gold, answers, v, level=None):
+    n = len(answers)
+    return {"id": qid, "gold": gold, "level": level, "subject": None, "answers": answers, "v": v,
+            "status": ["verified" if x else "mismatch" for x in v], "result": [None] * n,
+            "policy_tokens": [10 + i for i in range(n)], "verifier_tokens": [100 + i for i in range(n)],
+            "text": [""] * n, "program": [None] * n}
+
+
+def test_study_votes_on_nested_subsets_and_counts_their_tokens():
+    # q0: at k = 4 a wrong majority (7 x3) beats the one verified gold rollout only with omega >= 5 (fixed);
+    #     the next four rollouts say 5, so at k = 8 even the plain majority is right
+    # q1: at k = 4 a verified wrong rollout outvotes a right majority (broke)
+    rows = [study_row("q0", "5", ["7", "7", "7", "5", "5", "5", "5", "5"], [0, 0, 0, 1, 0, 0, 0, 0]),
+            study_row("q1", "3", ["3", "3", "3", "9", "3", "3", "3", "3"], [0, 0, 0, 1, 0, 0, 0, 0])]
+    c = study.score(rows, [4, 8], study.OMEGAS, MATH.classes, MATH.equiv)
+    assert list(c[4, 1.0]) == [0, 1] and list(c[4, 2.0]) == [0, 1]
+    assert list(c[4, 5.0]) == [1, 0] and list(c[4, math.inf]) == [1, 0]
+    assert list(c[8, 1.0]) == [1, 1] and list(c[8, 5.0]) == [1, 1]
+    assert study.token_costs(rows, [4, 8]) == {4: (46.0, 406.0, 46.0), 8: (108.0, 828.0, 108.0)}
+    unread = [{**row, "verifier_tokens": [0] * 4 + row["verifier_tokens"][4:],  # rollouts 0-3 were not sent
+               "status": ["no_answer"] * 4 + row["status"][4:]} for row in rows]
+    assert study.token_costs(unread, [4, 8]) == {4: (46.0, 0.0, 0.0), 8: (108.0, 422.0, 62.0)}
+    assert study.study_ks(64) == [4, 8, 16, 32, 64] and study.study_ks(12) == [4, 8, 12]
+    draws = study.bootstrap_draws(2, seed=0)
+    table = "\n".join(study.accuracy_table(c, draws, [4, 8], study.OMEGAS, study.token_costs(rows, [4, 8])))
+    w5 = next(line for line in table.splitlines() if line.split()[:2] == ["4", "w=5"]).split()
+    assert w5[2] == "0.500" and w5[5] == "+0.000" and w5[8:10] == ["1", "1"]  # one flip fixed, one broken
+
+
+def test_study_omega_one_is_the_plain_majority():
+    rng = random.Random(0)
+    rows = [study_row(f"q{i}", str(rng.randint(0, 3)), [str(rng.randint(0, 3)) for _ in range(8)],
+                      [rng.randint(0, 1) for _ in range(8)]) for i in range(40)]
+    deaf = [{**row, "v": [0] * 8} for row in rows]  # verdicts removed: every omega is the plain majority
+    with_verdicts = study.score(rows, [4, 8], study.OMEGAS, MATH.classes, MATH.equiv)
+    without = study.score(deaf, [4, 8], [1.0], MATH.classes, MATH.equiv)
+    for k in (4, 8):
+        assert list(with_verdicts[k, 1.0]) == list(without[k, 1.0])
+    assert any(list(with_verdicts[k, 5.0]) != list(without[k, 1.0]) for k in (4, 8))  # verdicts do matter at 5
+
+
+def test_study_bootstrap_interval_holds_the_estimate_and_is_seeded():
+    values = study.np.array([float(i % 3 == 0) for i in range(60)])
+    draws = study.bootstrap_draws(60, seed=1)
+    lo, hi = study.interval(values, draws)
+    assert lo < values.mean() < hi and hi - lo < 0.5
+    assert study.interval(values, study.bootstrap_draws(60, seed=1)) == (lo, hi)
+    assert study.interval(values, study.bootstrap_draws(60, seed=2)) != (lo, hi)
+    assert study.interval(values * 0 + 1, draws) == (1.0, 1.0)
+
+
+def test_study_questions_are_level_stratified_and_seeded():
+    records = [{"id": str(i), "level": 1 + i % 5 if i < 80 else 5} for i in range(100)]
+    picked = study.stratified(records, 25, seed=0)
+    assert [sum(r["level"] == lv for r in picked) for lv in range(1, 6)] == [5] * 5
+    assert picked == study.stratified(records, 25, seed=0) != study.stratified(records, 25, seed=1)
+    assert study.stratified([{"id": "a"}, {"id": "b"}], 1, seed=0) == [{"id": "a"}]
+
+
+def study_argv(tiny_dir, out_dir, **extra):
+    return tiny_argv(tiny_dir, out_dir, **{"study": True, "n_votes": 8, "max_new_tokens": 6, **extra})
+
+
+def test_a_study_on_the_cpu_preset_verifies_every_rollout(tmp_path):
+    """The cpu preset verifies one rollout per answer class, and only the classes that can change the vote, to
+    save training time; `python t3rl.py --study` on it must still verify all (it refused to start), and an
+    explicit --verify-budget is still refused."""
+    cpu = config.parse_config(["--preset", "cpu", "--out-dir", str(tmp_path)])
+    assert (cpu.verify_budget, cpu.lazy_verify) == (1, True)
+    cfg = config.parse_config(["--preset", "cpu", "--study", "--out-dir", str(tmp_path)])
+    assert cfg.study and (cfg.verify_budget, cfg.lazy_verify) == (0, False)
+    explicit = config.parse_config(["--preset", "cpu", "--study", "--verify-budget", "1", "--out-dir", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--verify-budget"):
+        t3rl.run_study(explicit)
+
+
+def test_a_study_samples_fewer_votes_than_training_keeps(tmp_path):
+    """A study never trains: `--study --n-votes 3` must start although the preset keeps 4 rollouts for training,
+    while a training run with 3 votes and 4 kept is still refused, and so is an explicit --n-train above them."""
+    cfg = config.parse_config(["--study", "--n-votes", "3", "--out-dir", str(tmp_path)])
+    assert cfg.study and cfg.n_votes == 3 and cfg.n_train <= 3
+    with pytest.raises(config.OptionError, match="--n-train 4: must be at most --n-votes"):
+        config.parse_config(["--n-votes", "3", "--out-dir", str(tmp_path)])
+    with pytest.raises(config.OptionError, match="--n-train 5"):
+        config.parse_config(["--study", "--n-votes", "3", "--n-train", "5", "--out-dir", str(tmp_path)])
+
+
+def test_study_replay_reproduces_the_table_without_a_model(tiny_dir, tmp_path, monkeypatch, patched, capsys):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.run_study(config.parse_config(study_argv(tiny_dir, tmp_path / "out")))
+    printed = capsys.readouterr().out
+    lines = rows(run, "study.jsonl")
+    assert [r["id"] for r in lines] == ["q0", "q1", "q2", "q3"] and all(len(r["answers"]) == 8 for r in lines)
+    assert {s for r in lines for s in r["status"]} == {"verified", "mismatch"}  # the scripted verifier ran
+    assert "4 TTRL" in printed and "8 w=inf" in printed and (run / "study.png").stat().st_size > 1000
+    table = (run / "table.txt").read_text()
+    (run / "study.png").unlink()
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("replay loaded a model")
+    monkeypatch.setattr(t3rl, "load_model", no_model)
+    monkeypatch.setattr(model_lib, "load_model", no_model)
+    t3rl.main(["--replay", str(run)])
+    assert capsys.readouterr().out == printed == table
+    assert (run / "study.png").stat().st_size > 1000
+
+
+def test_killed_study_resumes_at_the_next_unfinished_question(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    straight = t3rl.run_study(config.parse_config(study_argv(tiny_dir, tmp_path / "a")))
+
+    real_verify, sampled = t3rl.verify_groups, []
+
+    def killed_in_batch_two(records, *args):
+        sampled.extend(r["id"] for r in records)
+        if len(sampled) > 2:
+            raise KeyboardInterrupt
+        return real_verify(records, *args)
+    monkeypatch.setattr(t3rl, "verify_groups", killed_in_batch_two)
+    with pytest.raises(KeyboardInterrupt):
+        t3rl.run_study(config.parse_config(study_argv(tiny_dir, tmp_path / "b")))
+    run = tmp_path / "b" / "run"
+    assert [r["id"] for r in rows(run, "study.jsonl")] == ["q0", "q1"]
+    with open(run / "study.jsonl", "a") as fh:
+        fh.write('{"id": "q2", "gold": "6", "answ')  # a line cut short by the kill
+    sampled.clear()
+    with pytest.raises(SystemExit, match="other n_votes"):
+        t3rl.run_study(config.parse_config(study_argv(tiny_dir, tmp_path / "b", n_votes=4)))
+    resumed = t3rl.run_study(config.parse_config(["--resume", str(run)]))
+    assert sampled == ["q2", "q3"]
+    assert rows(resumed, "study.jsonl") == rows(straight, "study.jsonl")
+
+
+def finished_study(tiny_dir, tmp_path, monkeypatch, **options):
+    """A study of the four QUESTIONS run to its end: its folder and its study.jsonl rows."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.run_study(config.parse_config(study_argv(tiny_dir, tmp_path, **options)))
+    return run, rows(run, "study.jsonl")
+
+
+def test_a_study_grows_to_more_votes_keeping_its_first_rollouts(tiny_dir, tmp_path, monkeypatch, patched):
+    run, before = finished_study(tiny_dir, tmp_path, monkeypatch, n_votes=4)
+    with pytest.raises(config.OptionError, match="--n-votes 2 .the run has 4"):
+        config.parse_config(["--resume", str(run), "--n-votes", "2"])  # a study may grow, never shrink
+    real_verify, verified = t3rl.verify_groups, []
+
+    def counting(records, groups, *args):
+        verified.append([len(group) for group in groups])
+        return real_verify(records, groups, *args)
+    monkeypatch.setattr(t3rl, "verify_groups", counting)
+    t3rl.run_study(config.parse_config(["--resume", str(run), "--n-votes", "8"]))
+    after = rows(run, "study.jsonl")
+    assert verified == [[4, 4], [4, 4]]  # only the 4 new rollouts of each question were sampled and verified
+    assert [r["id"] for r in after] == [r["id"] for r in before]
+    for old, new in zip(before, after):
+        assert all(len(new[f]) == 8 and new[f][:4] == old[f] for f in study.ROLLOUT_FIELDS)
+        assert new["text"][4:] != old["text"]  # new draws, not the first four again
+    assert json.loads((run / "config.json").read_text())["n_votes"] == 8
+    assert "8 w=inf" in (run / "table.txt").read_text()
+
+
+def test_a_study_grows_to_more_questions_keeping_the_ones_it_has(tiny_dir, tmp_path, monkeypatch, patched):
+    run, before = finished_study(tiny_dir, tmp_path, monkeypatch, limit=2)
+    with pytest.raises(config.OptionError, match="--limit 1 .the run has 2"):
+        config.parse_config(["--resume", str(run), "--limit", "1"])
+    t3rl.run_study(config.parse_config(["--resume", str(run), "--limit", "0"]))  # 0: every question
+    after = rows(run, "study.jsonl")
+    assert [r["id"] for r in after] == ["q0", "q1", "q2", "q3"] and after[:2] == before

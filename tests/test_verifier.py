@@ -1,0 +1,273 @@
+"""verifier.py: tool verification; a scripted verifier writes the programs, the sandbox runs them."""
+import dataclasses
+import os
+
+import pytest
+
+from answers import is_equiv
+from domains import MATH
+from helpers import ScriptedVerifier
+from sandbox import SandboxPool
+from verifier import (
+    MAX_ROLLOUT_CHARS,
+    VERIFIER_SYSTEM,
+    ToolRun,
+    VerifierPrompt,
+    extract_code,
+    model_verifier,
+    python_tool,
+    tool_agrees,
+    verifier_prompt,
+    verify_batch,
+)
+from voting import weighted_vote
+
+PROBLEM = "What is the sum of the integers from 1 to 10?"
+
+
+ROLLOUT = "Pairing 1+10, 2+9, ... gives 5 pairs of 11, so the sum is $\\boxed{55}$."
+
+
+def block(code):
+    return f"Here is the program.\n```python\n{code}\n```\nIt prints the result."
+
+
+class CountingPool:
+    """A real sandbox pool that counts run_many calls."""
+
+    def __init__(self, pool):
+        self.pool, self.calls = pool, 0
+
+    def run_many(self, codes, timeout=None):
+        self.calls += 1
+        return self.pool.run_many(codes, timeout)
+
+
+@pytest.fixture(scope="module")
+def verify_pool():
+    with SandboxPool(timeout=2.0) as p:
+        yield p
+
+
+def verify_one(completion, answer, pool):
+    verifier = ScriptedVerifier(completion)
+    return verify_batch([PROBLEM], [ROLLOUT], [answer], verifier, MATH, pool)[0]
+
+
+def test_computed_right_answer_is_verified(verify_pool):
+    r = verify_one(block("print(sum(range(1, 11)))"), "55", verify_pool)
+    assert (r.v, r.status, r.result) == (1, "verified", "55")
+
+
+def test_printing_the_candidate_literally_is_hardcoded(verify_pool):
+    r = verify_one(block("# the trace says 55\nprint(55)"), "55", verify_pool)
+    assert (r.v, r.status) == (0, "hardcoded")
+
+
+def test_computed_wrong_answer_is_a_mismatch(verify_pool):
+    r = verify_one(block("print(sum(range(1, 10)))"), "55", verify_pool)
+    assert (r.v, r.status, r.result) == (0, "mismatch", "45")
+
+
+def test_result_is_the_last_nonempty_line(verify_pool):
+    r = verify_one(block("print('checking', 10)\nprint(sum(range(1, 11)))\nprint()"), "55", verify_pool)
+    assert (r.status, r.result) == ("verified", "55")
+
+
+@pytest.mark.parametrize("code,answer,status", [
+    ("from fractions import Fraction\nprint(Fraction(110, 4))", "\\frac{55}{2}", "verified"),
+    ("print(1 / 3)", "\\frac{1}{3}", "verified"),  # a machine float matches a rational answer
+    ("print(round(1 / 3, 2))", "\\frac{1}{3}", "mismatch"),  # a rounded decimal does not
+    ("import sympy\nprint(sympy.sqrt(8) / 4)", "\\frac{\\sqrt{2}}{2}", "verified"),
+    ("import sympy\nprint(sympy.expand((2 + 3 * sympy.I) * 3))", "6+9i", "verified"),  # I is read as i
+    ("import sympy\nprint(sympy.sqrt(51))", "\\sqrt{51}", "verified"),
+    ("import sympy\nprint(sympy.sqrt(52))", "\\sqrt{51}", "mismatch"),
+    ("import sympy\nprint(2 * sympy.sqrt(3) / 3)", "\\frac{2\\sqrt{3}}{3}", "verified"),
+    ("import sympy\nprint((3, sympy.pi / 2))", "\\left( 3, \\frac{\\pi}{2} \\right)", "verified"),
+    ("import sympy\nprint((3, sympy.pi / 3))", "\\left( 3, \\frac{\\pi}{2} \\right)", "mismatch"),
+    ("import sympy\nx = sympy.symbols('x')\nprint(sympy.expand((x + 1) ** 2))", "x^2+2x+1", "verified"),
+    ("import sympy\nx = sympy.symbols('x')\nprint(sympy.expand((x + 1) ** 3))", "x^2+2x+1", "mismatch"),
+    ("n = 4 + 5\nprint(f'The answer is {n}.')", "9", "verified"),
+    ("n = 4 + 6\nprint(f'The answer is {n}.')", "9", "mismatch"),
+])
+def test_printed_results_are_compared_by_value(verify_pool, code, answer, status):
+    """Equivalent spellings verify, near misses do not; sympy prints sqrt(51), (3, pi/2), x**2 + 2*x + 1,
+    compared through sympy's own LaTeX of them; a labelled print is read as its value."""
+    assert verify_one(block(code), answer, verify_pool).status == status
+
+
+def test_printed_text_is_turned_into_latex_inside_the_sandbox(verify_pool, tmp_path):
+    """sympify evaluates text; a program can print code, so the LaTeX spelling runs in the sandbox, too."""
+    target = tmp_path / "written-by-sympify"
+    text = f"__import__('pathlib').Path('{target}').touch()"
+    r = verify_one(block(f"print({text[:10]!r} + {text[10:]!r})"), "1", verify_pool)
+    assert (r.status, r.result) == ("mismatch", text) and not target.exists()
+
+
+def test_completion_without_code_is_no_code(verify_pool):
+    r = verify_one("The candidate is right, the answer is 55.", "55", verify_pool)
+    assert (r.v, r.status, r.code) == (0, "no_code", None)
+
+
+def test_crashing_program_is_exec_error(verify_pool):
+    r = verify_one(block("print(55 / 0)"), "55", verify_pool)
+    assert (r.v, r.status) == (0, "exec_error")
+
+
+def test_syntax_error_is_exec_error(verify_pool):
+    r = verify_one(block("print(sum(range(1, 11))"), "55", verify_pool)
+    assert (r.v, r.status) == (0, "exec_error")
+
+
+def test_hanging_program_is_timeout(verify_pool):
+    r = verify_one(block("while True:\n    pass"), "55", verify_pool)
+    assert (r.v, r.status) == (0, "timeout")
+
+
+def test_missing_answer_is_no_answer_without_a_verifier_call(verify_pool):
+    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"))
+    results = verify_batch([PROBLEM, PROBLEM], ["no box here", ROLLOUT], [None, "55"], verifier, MATH, verify_pool)
+    assert [r.status for r in results] == ["no_answer", "verified"]
+    assert len(verifier.batches[0]) == 1
+
+
+def test_one_verifier_call_and_one_sandbox_run_per_batch(verify_pool):
+    verifier = ScriptedVerifier(*[block(f"print(len('{'x' * k}') * 11)") for k in range(4)])
+    counting = CountingPool(verify_pool)
+    results = verify_batch([PROBLEM] * 4, [ROLLOUT] * 4, ["0", "11", "22", "34"], verifier, MATH, counting)
+    assert (len(verifier.batches), counting.calls) == (1, 1)
+    assert [r.v for r in results] == [1, 1, 1, 0]
+
+
+def test_programs_run_in_the_sandbox_not_in_process(verify_pool):
+    r = verify_one(block("import os\nprint(os.getpid())"), "55", verify_pool)
+    assert r.result is not None and r.result != str(os.getpid())
+
+
+def test_prompt_holds_problem_and_rollout():
+    prompt = verifier_prompt(PROBLEM, ROLLOUT, MATH)
+    assert PROBLEM in prompt.user and ROLLOUT in prompt.user and prompt.system == VERIFIER_SYSTEM
+
+
+def test_long_rollout_keeps_its_end():
+    rollout = "step\n" * 5000 + "so the answer is \\boxed{55}"
+    prompt = verifier_prompt(PROBLEM, rollout, MATH)
+    assert "\\boxed{55}" in prompt.user and len(prompt.user) < MAX_ROLLOUT_CHARS + len(PROBLEM) + 500
+
+
+def test_custom_tool_decides_the_verdict():
+    def always_seven(codes, sandbox):
+        return [ToolRun("ok", "7", "7\n", 0.0) for _ in codes]
+    verifier = ScriptedVerifier(block("solver code"), block("solver code"))
+    results = verify_batch([PROBLEM] * 2, [ROLLOUT] * 2, ["7", "8"], verifier, dataclasses.replace(MATH, tool=always_seven))
+    assert [r.status for r in results] == ["verified", "mismatch"]
+
+
+def test_budget_verifies_only_k_per_answer_class(verify_pool):
+    answers = ["\\frac12", "0.5", "1/2", "2", "2", "2"]  # two classes: 1/2 (three spellings) and 2
+    verifier = ScriptedVerifier(*[block("print(1 / 2)")] * 2 + [block("print(1 + 1)")] * 2)
+    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, MATH, verify_pool, budget=2)
+    assert len(verifier.batches[0]) == 4
+    assert [r.inferred for r in results] == [False, False, True, False, False, True]
+
+
+def test_budget_shares_the_majority_outcome_of_the_class(verify_pool):
+    answers = ["55"] * 5
+    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"), block("print(54 + len('x'))"),
+                                block("print(1 / 0)"))
+    results = verify_batch([PROBLEM] * 5, [ROLLOUT] * 5, answers, verifier, MATH, verify_pool, budget=3)
+    assert [r.v for r in results] == [1, 1, 0, 1, 1]
+    assert [r.status for r in results[3:]] == ["verified", "verified"]
+
+
+def test_budget_tie_inherits_unverified(verify_pool):
+    verifier = ScriptedVerifier(block("print(54 + len('x'))"), block("print(54)"))
+    results = verify_batch([PROBLEM] * 3, [ROLLOUT] * 3, ["55"] * 3, verifier, MATH, verify_pool, budget=2)
+    assert results[2].v == 0 and results[2].inferred
+
+
+def test_budget_keeps_problems_apart(verify_pool):
+    other = "What is 5 times 11?"
+    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"), block("print(5 * 11)"))
+    results = verify_batch([PROBLEM, PROBLEM, other], [ROLLOUT] * 3, ["55"] * 3, verifier, MATH, verify_pool, budget=1)
+    assert [r.inferred for r in results] == [False, True, False]
+
+
+def test_lazy_verification_stops_once_the_majority_is_verified(verify_pool, monkeypatch):
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)
+    answers = ["55", "55", "55", "55", "54", "56"]  # 55 verified scores 20, the others 5 at most
+    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"))
+    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, MATH, verify_pool, budget=1, omega=5.0)
+    assert [len(batch) for batch in verifier.batches] == [1]
+    assert [r.status for r in results] == ["verified"] * 4 + ["skipped"] * 2 and [r.v for r in results] == [1] * 4 + [0, 0]
+
+
+def test_lazy_verification_asks_the_classes_that_can_still_win_in_a_second_call(verify_pool, monkeypatch):
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # a second call pays even for one prompt spared
+    answers = ["55", "55", "55", "55", "54", "56"]  # 55 fails (4): 54 or 56 verified (5) would beat it
+    verifier = ScriptedVerifier(*[block("print(6 * 9)")] * 3)
+    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, MATH, verify_pool, budget=1, omega=5.0)
+    assert [len(batch) for batch in verifier.batches] == [1, 2]
+    assert [r.status for r in results] == ["mismatch"] * 4 + ["verified", "mismatch"]
+    assert weighted_vote(answers, [r.v for r in results], 5.0).label == "54"
+
+
+def test_lazy_verification_asks_every_class_that_can_win_at_once_when_a_second_call_spares_little(verify_pool):
+    answers = ["55", "55", "55", "55", "54", "56", "57"]  # 55 and the three that could beat it: 3 prompts spared
+    verifier = ScriptedVerifier(*[block("print(6 * 9)")] * 4)
+    results = verify_batch([PROBLEM] * 7, [ROLLOUT] * 7, answers, verifier, MATH, verify_pool, budget=1, omega=5.0)
+    assert [len(batch) for batch in verifier.batches] == [4]
+    assert [r.status for r in results] == ["mismatch"] * 4 + ["verified", "mismatch", "mismatch"]
+
+
+def test_lazy_verification_of_several_problems_makes_two_verifier_calls(verify_pool, monkeypatch):
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)
+    other = "What is 5 times 11?"
+    problems = [PROBLEM] * 4 + [other] * 4
+    answers = ["55", "55", "54", "53"] * 2  # per problem: 55 fails, so 54 and 53 can still win
+    verifier = ScriptedVerifier(*[block("print(0)")] * 8)
+    results = verify_batch(problems, [ROLLOUT] * 8, answers, verifier, MATH, verify_pool, omega=5.0)
+    assert [len(batch) for batch in verifier.batches] == [4, 4]
+    assert all(r.status == "mismatch" for r in results)
+
+
+def test_code_is_the_first_python_block():
+    text = "```text\nnot code\n```\n```python\nprint(1)\n```\n```python\nprint(2)\n```"
+    assert extract_code(text).strip() == "print(1)"
+
+
+def test_code_falls_back_to_the_first_fenced_block():
+    assert extract_code("```\nprint(3)\n```").strip() == "print(3)"
+
+
+def test_unclosed_block_runs_to_the_end():
+    assert extract_code("```python\nx = 2\nprint(x * 3)").strip() == "x = 2\nprint(x * 3)"
+
+
+def test_programs_find_the_allowed_modules_under_their_usual_names(verify_pool):
+    run = python_tool(["x = sp.symbols('x')\nprint(sp.solve(x - 3, x)[0] + int(np.int64(1)) + math.floor(0.5))"],
+                      verify_pool)[0]
+    assert (run.status, run.result) == ("ok", "4")
+
+
+def test_a_printed_double_verifies_an_irrational_answer_at_its_own_precision():
+    assert tool_agrees("98.99494936611666", "70 \\sqrt{2}") and tool_agrees("6.283185307179586", "2\\pi")
+    assert not tool_agrees("98.99494936611666", "70\\sqrt{3}")
+    assert not tool_agrees("98.99", "70\\sqrt{2}")  # a rounded decimal is no computed double
+    assert not is_equiv("98.99494936611666", "70\\sqrt{2}")  # between answers, decimals stay decimals
+
+
+def test_model_verifier_returns_one_completion_per_prompt_with_token_counts(tiny_model, tokenizer):
+    verifier = model_verifier(tiny_model, tokenizer, max_new_tokens=4, seed=0)
+    replies = verifier([verifier_prompt(PROBLEM, ROLLOUT, MATH), verifier_prompt(PROBLEM, "no idea", MATH)])
+    assert len(replies) == 2 and all(isinstance(r.text, str) and 1 <= r.tokens <= 4 for r in replies)
+
+
+def test_model_verifier_puts_the_system_prompt_in_the_chat(tiny_model, tokenizer, monkeypatch):
+    import sampler
+    seen = []
+    real = sampler.generate
+    monkeypatch.setattr(sampler, "generate", lambda model, tok, prompts, **kw: seen.extend(prompts) or
+                        real(model, tok, prompts, **kw))
+    model_verifier(tiny_model, tokenizer, max_new_tokens=1, seed=0)([VerifierPrompt(VERIFIER_SYSTEM, "hello")])
+    assert VERIFIER_SYSTEM in seen[0] and "hello" in seen[0]
