@@ -1,4 +1,4 @@
-"""Knights and Knaves: the logic-puzzle domain (the paper's second one), puzzles and their answers.
+"""Knights and Knaves: the logic-puzzle domain (the paper's second one): puzzles, answers, and their verifier.
 
 On an island every inhabitant is a knight (always tells the truth) or a knave (always lies); each one says
 something about the others, and the question is who is what. With one Boolean per inhabitant (True: knight)
@@ -11,7 +11,7 @@ and / or / if-then / if-and-only-if; a speaker may name herself inside a compoun
 names someone else. A puzzle is drawn around a hidden world (who is a knight): every statement is drawn
 true for knights and false for knaves, then statements are redrawn, one at a time, while enumerating all
 2^n worlds still finds more than one solution; only puzzles with exactly one solution are kept. One more
-rule keeps the solver-side guard honest (verifier.py): no statement may, on its own (X <-> S alone),
+rule keeps the solver-side guard honest (smt_tool, below): no statement may, on its own (X <-> S alone),
 fix anybody's role, so an encoding of the statements never contains a bare fact about one person.
 
 Answers are written canonically, in the order the puzzle introduces people:
@@ -21,6 +21,10 @@ Answers are written canonically, in the order the puzzle introduces people:
 extract_answer(text, problem) reads what a model writes -- "(1) Zoey is a knight (2) Oliver is a knave",
 \\boxed{Oliver: knave, Zoey: knight}, "Knights: Zoey; Knaves: Oliver", "Zoey and Ethan are knights" --
 into that form; a claim about somebody not in the puzzle, or a person left out, gives no answer (None).
+
+The verifier writes the puzzle in SMT-LIB2 (KNK_SYSTEM), z3 solves it in the sandbox (smt_tool), and v_i = 1
+when the solver's assignment is the only one and equals the rollout's (smt_agrees); domains.py puts these
+together as the knk Domain.
 
     python knk.py --generate        # writes data/knk.jsonl: 100 puzzles, sizes 2-8, byte for byte the same
 """

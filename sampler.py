@@ -30,10 +30,8 @@ Design of "kv":
     positions it has in the whole prompt. Sorted prompts give these sources (prefix_plan); the prompts whose
     sources are ready run together, their own tokens right-padded into one batched forward per
     PREFILL_TOKENS, so prefill runs at matrix speed rather than one prompt at a time.
-  - Decode on a CPU attends over the whole cache, masked: a window of its columns is a strided view, which
-    the CPU's batched matrix product copies whole, every layer and step, at more cost than the masked columns
-    (docs/sampler.md). On CUDA it reads the window from the first column a live row's prompt starts at to the current
-    one (compiled: the whole cache, so every step has the same shapes and nothing recompiles).
+  - Decode attends over the whole cache, masked, on a CPU (its batched product would copy a strided window
+    whole, every layer and step); on CUDA over the window from the first live prompt column to the current.
   - Matrix products on the weights: q, k and v are one product on their stacked weights, and so are gate and
     up. On a CPU in bfloat16 each weight is packed once per call into oneDNN's blocked layout
     (sampler_cpu.py), which F.linear would redo at every product: the same numbers, decode 1.4-3x faster.
@@ -57,11 +55,8 @@ Design of "kv":
     (seed, p). Tokens are identical only where the forward pass is too: bfloat16 on CPUs (oneDNN) gives a
     row the same logits whatever the batch; float32 on MKL does not (its GEMM rounds differently for 1, 2-3
     and >= 4 rows, and attention sums in an order that shifts with the left padding); GPUs promise neither.
-  - compile=True runs the decode step through torch.compile (CUDA graphs on GPU). Meant for GPUs: on a
-    2-core CPU it measured slower than eager (docs/sampler.md).
-  - dtype: by default "kv" computes in the model's own dtype on its own weights (no copy). dtype=bfloat16 on
-    a float32 model casts the weights once per call (the loop keeps float32 master weights; bfloat16
-    matmuls are several times faster on CPUs with AVX-512 bf16: `python -m bench.sampler`).
+  - compile=True: the decode step through torch.compile (CUDA graphs on a GPU; slower than eager on a CPU).
+  - dtype=bfloat16 on a float32 model casts the weights once per call (the loop keeps float32 master weights).
   - Other architectures (or sliding-window / dynamic rotary variants) fall back to "hf" with a notice.
 
 Token ids: a string prompt is tokenised as tokenizer(prompt, add_special_tokens=False).input_ids (chat

@@ -23,11 +23,12 @@ A study folder holds config.json, study.jsonl (one line per question: gold, leve
 verdict, status, tool result, token counts, text and program), table.txt and study.png. A killed study resumes
 at the next unfinished question; a finished one grows with a larger --n-votes or --limit on --resume (the
 rollouts it has stay the first ones); `--replay` recomputes the table and the PNG from study.jsonl, loading no
-model:
+model. On a training run's folder, replay re-votes its saved rollouts at each omega (the omega ablation):
 
     python t3rl.py --study --bench math500 --limit 150 --n-votes 64     # sample + verify, then report
     python t3rl.py --resume runs/math500-study-20261130-170000 --n-votes 128 --limit 300   # grow it
     python t3rl.py --replay runs/math500-study-20261130-170000          # report again, no model
+    python t3rl.py --replay runs/demo-t3rl-w5-20261130-101500 --omega 1 5 inf   # a training run's ablation
 """
 import itertools
 import json

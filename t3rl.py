@@ -11,6 +11,10 @@ Test-time RL trains a model on unlabeled test questions. For each question q:
     r_i = 1[a_i == label]                          the reward; ground truth is never used here
     keep M of the N rollouts at random, GRPO update on them, an AdamW step per Q questions (grpo.py)
 
+rl_step is that step; train() loops it over the benchmark. What is not the method lives beside it: the
+options (config.py), the run folder and checkpoints (runs.py), the monitors and reports (metrics.py), the
+benchmarks (benchmarks.py), the answer domains (domains.py), the evidence study and --replay (study.py).
+
 Run it:
     python t3rl.py                                  # CPU, offline: embedded 0.5B model, demo benchmark
     accelerate launch t3rl.py --bench math500       # the paper's setting on GPUs

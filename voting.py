@@ -45,6 +45,8 @@ The paper's worked example: 11 unverified rollouts say 1260, 5 verified rollouts
 Standard library only, so this file can be copied into another project as is.
 """
 
+from __future__ import annotations
+
 import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
@@ -54,12 +56,22 @@ Same = Optional[Callable[[str, str], bool]]
 Key = Optional[Callable[[str], str]]
 
 
-@dataclass(frozen=True)
-class VoteClass:
-    """One answer class of a vote."""
-    answer: str          # its representative: the most frequent spelling among its rollouts
-    members: list[int]   # indices of its rollouts in `answers`, ascending
-    score: float         # sum of its rollouts' vote weights
+def weighted_vote(answers: Sequence[Answer], verified: Sequence[int], omega: float = 5.0,
+                  same: Same = None, key: Key = None) -> Vote:
+    """Vote on a pseudo-label; returns a Vote (label, scores, classes best first, each rollout's class).
+
+    answers: answer strings or None; verified: 0/1 (or bools), one per answer. With omega = inf a score is
+    the number of verified rollouts in the class (plain counts when no answer is verified)."""
+    _check_group(answers, verified, omega)
+    classes = answer_classes(answers, same, key)
+    weight = _vote_weight(classes, verified, omega)
+    ranked = [VoteClass(_representative(answers, members), members, sum(weight(i) for i in members))
+              for members in _ranked(classes, weight)]
+    assignment: list[Optional[int]] = [None] * len(answers)
+    for k, vote_class in enumerate(ranked):
+        for i in vote_class.members:
+            assignment[i] = k
+    return Vote(list(answers), ranked, assignment, omega)
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,14 @@ class Vote:
     def rewards(self) -> list[float]:
         """r_i = 1 when rollout i's class won the vote, else 0 (and 0 for a missing answer)."""
         return [1.0 if k == 0 else 0.0 for k in self.assignment]
+
+
+@dataclass(frozen=True)
+class VoteClass:
+    """One answer class of a vote."""
+    answer: str          # its representative: the most frequent spelling among its rollouts
+    members: list[int]   # indices of its rollouts in `answers`, ascending
+    score: float         # sum of its rollouts' vote weights
 
 
 def _default_key(answer: str) -> str:
@@ -145,24 +165,6 @@ def _vote_weight(classes: list[list[int]], verified: Sequence[int], omega: float
     """w_i: 1 or omega; with omega = inf, v_i itself, unless no rollout in any class is verified (plain counts)."""
     hard_filter = math.isinf(omega) and any(verified[i] for members in classes for i in members)
     return lambda i: float(verified[i]) if hard_filter else (omega if verified[i] else 1.0)
-
-
-def weighted_vote(answers: Sequence[Answer], verified: Sequence[int], omega: float = 5.0,
-                  same: Same = None, key: Key = None) -> Vote:
-    """Vote on a pseudo-label; returns a Vote (label, scores, classes best first, each rollout's class).
-
-    answers: answer strings or None; verified: 0/1 (or bools), one per answer. With omega = inf a score is
-    the number of verified rollouts in the class (plain counts when no answer is verified)."""
-    _check_group(answers, verified, omega)
-    classes = answer_classes(answers, same, key)
-    weight = _vote_weight(classes, verified, omega)
-    ranked = [VoteClass(_representative(answers, members), members, sum(weight(i) for i in members))
-              for members in _ranked(classes, weight)]
-    assignment: list[Optional[int]] = [None] * len(answers)
-    for k, vote_class in enumerate(ranked):
-        for i in vote_class.members:
-            assignment[i] = k
-    return Vote(list(answers), ranked, assignment, omega)
 
 
 def undecided_classes(answers: Sequence[Answer], verified: Sequence[Optional[int]], omega: float = 5.0,
