@@ -38,10 +38,10 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
     stats["verified_correct"] = sum(vi and ci for vi, ci in zip(vote.v, correct))
     stats["correct"] = sum(correct)
     # recall's denominator: the right rollouts that got a verdict (a skipped one was never asked)
-    stats["correct_judged"] = sum(ci for ci, res in zip(correct, verdicts) if getattr(res, "status", None) != "skipped")
+    stats["correct_judged"] = sum(ci for ci, res in zip(correct, verdicts) if res is None or res.status != "skipped")
     stats["statuses"] = [res.status for res in results]
     stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
-    stats["verifier_calls_saved"] = sum(getattr(res, "inferred", False) or res.status == "skipped" for res in results)
+    stats["verifier_calls_saved"] = sum(res.inferred or res.status == "skipped" for res in results)
     stats["response_tokens"] = [c.num_tokens for c in group]
     return stats
 

@@ -90,7 +90,7 @@ class Learner:
     tokenizer: object
     optimizer: torch.optim.Optimizer
     scheduler: object                    # stepped once per optimizer step
-    verifier: object                     # prompts -> programs (None with --no-verify)
+    verifier: object                     # [VerifierPrompt] -> [VerifierReply] (None with --no-verify)
     pool: SandboxPool
     run_dir: Path
     grpo: GRPOSettings                   # the update's settings, from cfg
@@ -182,11 +182,11 @@ def log_rollouts(step, shard, groups, answers, verdicts, votes, learner: Learner
     """Append every rollout of the step (text, answer, verdict, reward, kept) to rollouts.jsonl."""
     rows = []
     for rec, group, ans, ver, vote in zip(shard, groups, answers, verdicts, votes):
-        for i, (c, res) in enumerate(zip(group, ver)):
+        for i, (c, res) in enumerate(zip(group, ver)):  # res is None with --no-verify
             rows.append({"step": step, "id": rec["id"], "index": i, "text": c.text, "answer": ans[i], "v": vote.v[i],
-                         "result": getattr(res, "result", None), "status": getattr(res, "status", None),
+                         "result": res and res.result, "status": res and res.status,
                          "reward": vote.rewards[i], "label": vote.label, "kept": i in vote.keep,
-                         "program": getattr(res, "code", None)})
+                         "program": res and res.code})
     rows = gather_object(rows)
     if learner.accelerator.is_main_process:
         append_jsonl(learner.run_dir / "rollouts.jsonl", rows)

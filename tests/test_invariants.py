@@ -195,7 +195,7 @@ sys.path.insert(0, {root!r})
 import torch.distributed as dist
 import domains
 import t3rl
-domains.extract_answer = lambda text: str(len(text) % 3)  # test_t3rl.fake_answer
+domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
 t3rl.build_verifier = lambda cfg, device: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
 t3rl.main()
 print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}} done")
