@@ -31,7 +31,9 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
     golds = ["0", "1", "2", "2"]  # fake answers are 0, 1 or 2, and the scripted verifier verifies only "2"
     write_bench(tmp_path / "data", [(p, g) for (p, _), g in zip(QUESTIONS, golds)])
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    # 64 rollouts: enough that right-but-unverified and verified-but-wrong rollouts both occur
+    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, questions_per_step=4,
+                                                   n_votes=8)))
     gold = {f"q{i}": g for i, g in enumerate(golds)}
     train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
     pooled = {"verified": 0, "right": 0, "both": 0}
