@@ -19,6 +19,7 @@ from accelerate.tracking import get_available_trackers
 from accelerate.utils import LoggerType
 
 from benchmarks import BENCHES
+from domains import ANSWER_RULES, domain_of
 from model import check_spec
 from runs import run_started, tracker_names
 
@@ -58,8 +59,8 @@ class Config:
     model: str = option("embedded", "policy: Hub id, local folder, .gguf file, or 'embedded' (offline Qwen2.5-Coder-0.5B-Instruct)")
     verifier_model: str = option("self", "verifier LLM: 'self' = frozen copy of the policy's starting weights "
                                  "(self-verification), or any --model value (coder-1.5b: the offline paper verifier)")
-    preset: str = option("auto", "auto (cpu without a GPU, paper with one); explicit options override it",
-                         ("auto", "paper", "cpu", "none"))
+    preset: str = option("auto", "auto (cpu without a GPU, paper with one); ttrl: TTRL's own scripts; explicit options "
+                         "override it", ("auto", "paper", "ttrl", "cpu", "none"))
     # test-time RL
     n_votes: int = option(64, "N: rollouts sampled per question for the vote", AT_LEAST_ONE)
     n_train: int = option(32, "M: rollouts per question kept (at random) for the GRPO update ('vote then sample'); "
@@ -67,12 +68,16 @@ class Config:
     questions_per_step: int = option(8, "questions per step, all processes together", AT_LEAST_ONE)
     episodes: int = option(10, "passes over the benchmark (paper: 10 MATH-500, 30 AMC, 80 AIME 2024)", AT_LEAST_ONE)
     max_steps: int = option(0, "stop after this many steps (0 = as many as the episodes take)", COUNT)
-    temperature: float = option(0.6, "policy sampling temperature (0 = greedy)", NON_NEGATIVE)
-    top_p: float = option(0.95, "policy nucleus sampling mass", Range(0, 1, low_open=True, high_open=False))
+    drop_last: bool = option(True, "drop each episode's last partial step, as verl's dataloader does (drop_last=True)")
+    temperature: float = option(0.6, "rollout sampling temperature (0 = greedy)", NON_NEGATIVE)
+    top_p: float = option(0.95, "rollout nucleus sampling mass", Range(0, 1, low_open=True, high_open=False))
     max_new_tokens: int = option(2560, "policy tokens per rollout", AT_LEAST_ONE)
     backend: str = option("kv", "sampler backend: hand-written KV-cache sampler or transformers generate", ("kv", "hf"))
     sample_dtype: str = option("auto", "sampling compute dtype (auto: bfloat16 where supported)",
                                ("auto", "float32", "bfloat16"))
+    answer_rule: str = option("strict", "how a math rollout's answer is read: strict (a box or a stated answer, else "
+                              "none: no vote, reward 0) | last-number (else the last number, TTRL's original parser)",
+                              ANSWER_RULES)
     # verification
     verify: bool = option(True, "tool-verify rollouts (--no-verify is TTRL, without the verifier's cost)")
     omega: float = option(5.0, "vote weight of a verified rollout: 1 = TTRL, inf = hard filtering (several values "
@@ -84,21 +89,31 @@ class Config:
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
     sandbox_timeout: float = option(5.0, "seconds each verifier program may run", POSITIVE)
     # optimisation (GRPO)
-    lr: float = option(5e-7, "peak learning rate (AdamW, cosine schedule over optimizer steps)", NON_NEGATIVE)
-    warmup_ratio: float = option(0.03, "share of the optimizer steps spent warming the learning rate up (TTRL: 0.03)", SHARE)
+    lr: float = option(5e-7, "peak learning rate (AdamW, cosine schedule)", NON_NEGATIVE)
+    lr_schedule_unit: str = option("step", "what the cosine schedule counts: step (once per training step, its AdamW "
+                                   "steps share a learning rate, as verl) | optimizer-step", ("step", "optimizer-step"))
+    warmup_ratio: float = option(0.03, "share of the schedule spent warming the learning rate up (TTRL: 0.03)", SHARE)
     mini_batch_questions: int = option(1, "Q: an optimizer step per Q questions' kept rollouts, so ceil(questions per "
                                           "step / Q) per step (TTRL: 1; 0 = one per step)", COUNT)
     scale_advantages: bool = option(True, "divide advantages by their group's std (--no-scale-advantages: Dr. GRPO)")
     weight_decay: float = option(0.01, "AdamW weight decay", NON_NEGATIVE)
-    clip: float = option(0.2, "PPO ratio clip range (both sides)", Range(0, 1, low_open=True, high_open=False))
-    kl_coef: float = option(0.0, "KL penalty to the starting policy (paper: 0)", NON_NEGATIVE)
+    clip_low: float = option(0.2, "PPO ratio clip below: rho >= 1 - CLIP_LOW", Range(0, 1, low_open=True, high_open=False))
+    clip_high: float = option(0.2, "PPO ratio clip above: rho <= 1 + CLIP_HIGH (DAPO's clip-higher: 0.28)", POSITIVE)
+    clip_ratio_c: float = option(3.0, "dual clip: a token with A < 0 loses at most C |A| (verl's clip_ratio_c; "
+                                 "inf = off)", Range(1, low_open=True, high_open=False))
+    kl_coef: float = option(0.0, "KL loss to the starting policy, verl's low_var_kl (paper: 0; TTRL's scripts: 0.001)",
+                            NON_NEGATIVE)
     loss_agg: str = option("token-mean", "loss aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
     micro_batch_tokens: int = option(8192, "tokens per micro-batch (gradient accumulation over the rest)", AT_LEAST_ONE)
     grad_checkpointing: bool = option(True, "recompute activations in the backward pass to save memory")
     bf16: bool = option(True, "bfloat16 autocast over float32 master weights where the hardware supports it")
     # evaluation and bookkeeping
-    eval_every: int = option(0, "evaluate every K steps (0 = only before and after training)", COUNT)
-    eval_samples: int = option(4, "k for avg@k and maj@k (paper: 16 for AIME 2024, 4 otherwise; 0 = greedy only)", COUNT)
+    eval_every: int = option(2, "evaluate every K steps, and before and after training (0 = only before and after)",
+                             COUNT)
+    eval_samples: int = option(4, "k: sampled evaluation runs for avg@k (the papers' Pass@1) and maj@k (paper: 16 "
+                               "for AIME 2024, 4 otherwise; 0 = greedy@1 only)", COUNT)
+    eval_temperature: float = option(0.6, "sampling temperature of the k evaluation runs", POSITIVE)
+    eval_top_p: float = option(0.95, "nucleus mass of the k evaluation runs", Range(0, 1, low_open=True, high_open=False))
     save_every: int = option(10, "checkpoint every K steps (and at the end)", AT_LEAST_ONE)
     report_to: str = option("none", "experiment trackers, comma-separated, through accelerate: tensorboard, wandb, "
                             "mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio | all (every one installed) | none")
@@ -110,13 +125,26 @@ class Config:
     study: bool = option(False, "the evidence study (study.py): sample n_votes rollouts for LIMIT level-stratified "
                          "questions once, verify all, vote at k = 4..n_votes and omega 1, 2, 5, 10, inf; no training")
 
+# episodes (the T3RL paper and TTRL's scripts agree) and prompts per step (TTRL's scripts) for each benchmark;
+# where README's preset table cites them, in TTRL's verl/examples/ttrl/Qwen2.5-Math/{math,amc,aime}.sh
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
+TTRL_QUESTIONS_PER_STEP = {"math500": 32, "amc": 8, "aime2024": 8}
 
+# Each preset states every choice of the protocol; README's preset table gives each value's source.
 PRESETS = {
-    "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500"),
+    # the T3RL paper; where it is silent, TTRL's scripts, which it builds on
+    "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500",
+                  temperature=0.6, top_p=0.95, max_new_tokens=2560, kl_coef=0.0, lr_schedule_unit="step",
+                  answer_rule="strict", drop_last=True, eval_every=2, eval_temperature=0.6, eval_top_p=0.95),
+    # TTRL's verl 0.4.1 scripts: the TTRL row, no verifier (--verify puts T3RL's on the same settings)
+    "ttrl": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500",
+                 verify=False, omega=1.0, n_votes=64, n_train=32, temperature=1.0, top_p=1.0, max_new_tokens=3072,
+                 lr=5e-7, warmup_ratio=0.03, lr_schedule_unit="step", mini_batch_questions=1, kl_coef=0.001,
+                 clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0, answer_rule="strict", drop_last=True,
+                 eval_every=2, eval_samples=16, eval_temperature=0.6, eval_top_p=0.95),
     "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=3, max_steps=4,
                 max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
-                eval_samples=0, save_every=3,
+                answer_rule="strict", drop_last=True, eval_every=0, eval_samples=4, save_every=3,
                 micro_batch_tokens=4096, mini_batch_questions=2),
     "none": {},
 }
@@ -200,10 +228,12 @@ def new_config(given: dict) -> Config:
     preset = preset if preset != "auto" else ("paper" if has_gpu() else "cpu")
     for key, value in PRESETS[preset].items():
         setattr(cfg, key, value)
-    if preset == "paper":
+    if preset in ("paper", "ttrl"):
         bench = given.get("bench", cfg.bench)
         cfg.episodes = PAPER_EPISODES.get(bench, cfg.episodes)
-        cfg.eval_samples = 16 if bench == "aime2024" else 4
+        cfg.questions_per_step = TTRL_QUESTIONS_PER_STEP.get(bench, cfg.questions_per_step)
+        if preset == "paper":
+            cfg.eval_samples = 16 if bench == "aime2024" else 4
     if given.get("study"):
         # a study verifies every rollout; the cpu preset's budget and laziness only save training time; it never
         # trains, so the rollouts kept for training only need to fit in whatever --n-votes it samples
@@ -269,6 +299,9 @@ def check_config(cfg: Config, source: str = ""):
     try:
         for f in fields(Config):
             check_value(f.name, getattr(cfg, f.name))
+        if cfg.answer_rule != "strict" and domain_of(cfg.bench).name != "math":
+            raise OptionError(f"--answer-rule {cfg.answer_rule}: reads numbers, for math benchmarks only; drop it "
+                              f"for --bench {cfg.bench}")
         if cfg.n_train > cfg.n_votes:
             raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes ({cfg.n_votes}); "
                               f"M rollouts are kept out of the N sampled")
@@ -280,7 +313,7 @@ def check_config(cfg: Config, source: str = ""):
     except OptionError as err:
         raise OptionError(f"{source}{err}") from None
     check_spec(cfg.model, "--model")
-    if cfg.verifier_model != "self":
+    if cfg.verify and cfg.verifier_model != "self":
         check_spec(cfg.verifier_model, "--verifier-model")
 
 

@@ -5,12 +5,16 @@
     knk     Knights and Knaves: answers are role assignments; the verifier writes SMT-LIB2 and z3 solves it
             in the sandbox (knk.py)
 
---bench knk is the knk domain, every other benchmark the math one (domain_of).
+--bench knk is the knk domain, every other benchmark the math one (domain_of). The math domain reads a
+rollout's answer by one of two rules (--answer-rule): "strict" (a box or a stated answer, else none: no vote,
+reward 0, wrong at evaluation) or "last-number" (the same, else the last number in the text, as TTRL's
+original parser does: an implicit format reward is gone, every rollout that writes a number votes).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import knk
+import answers
 from answers import answer_key, extract_answer, is_equiv, same_answer
 from guard import hardcoded
 from verifier import VERIFIER_SYSTEM, VERIFIER_USER, extract_code, python_tool, tool_agrees
@@ -48,6 +52,12 @@ def math_answer(text, problem):
     return extract_answer(text)
 
 
+def math_answer_or_last_number(text, problem):
+    """--answer-rule last-number: the final answer, else the last number the rollout writes."""
+    answer = extract_answer(text)
+    return answers.last_number(text) if answer is None else answer
+
+
 def math_agrees(run, answer):
     return tool_agrees(run.result, answer, run.latex)
 
@@ -66,6 +76,11 @@ DOMAINS = {
 MATH = DOMAINS["math"]
 
 
-def domain_of(bench: str) -> Domain:
-    """Knights and Knaves for --bench knk, math for every other benchmark."""
-    return DOMAINS["knk" if bench == "knk" else "math"]
+ANSWER_RULES = ("strict", "last-number")
+
+
+def domain_of(bench: str, answer_rule: str = "strict") -> Domain:
+    """Knights and Knaves for --bench knk, math for every other benchmark; answer_rule picks how the math
+    domain reads a rollout's answer (config.py refuses last-number for knk)."""
+    domain = DOMAINS["knk" if bench == "knk" else "math"]
+    return replace(domain, extract=math_answer_or_last_number) if answer_rule == "last-number" else domain

@@ -11,7 +11,9 @@ and a group whose rewards are all equal teaches nothing (A = 0). The update mini
 
     rho_it = pi_theta(o_it | q, o_i<t) / pi_old(o_it | q, o_i<t)
     d_it   = log pi_ref(o_it | ...) - log pi_theta(o_it | ...)
-    l_it   = -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) + beta (exp(d_it) - d_it - 1)
+    p_it   = -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i)
+    p_it   = min(p_it, -c A_i)                  where A_i < 0   (dual clip: c = clip_ratio_c, verl's 3)
+    l_it   = p_it + beta min(exp(d_it) - d_it - 1, 10)
     L      = AGG_{i,t} l_it                                      over valid response tokens t of o_i
 
 with B responses in the batch, |o_i| their lengths and AGG one of
@@ -20,12 +22,15 @@ with B responses in the batch, |o_i| their lengths and AGG one of
     seq-mean-token-mean        (1/B) sum_i (1/|o_i|) sum_t l_it
     seq-mean-token-sum-norm    sum_it l_it / (B * L_max)         (Dr. GRPO, L_max = max new tokens)
 
-The KL term is the k3 estimator (always >= 0); the paper uses beta = 0, so by default there is no
-reference model. pi is the distribution the rollouts were drawn from: softmax(logits / T) at the
+The KL term is verl's low_var_kl (the k3 estimator, always >= 0, capped at 10); the paper uses beta = 0, so
+by default there is no reference model. As in verl, log rho and d are clamped to [-20, 20] before exp. This
+is verl's compute_policy_loss and kl_penalty term for term. pi is the distribution the rollouts were drawn from: softmax(logits / T) at the
 sampling temperature T (as verl computes it), so rho and the gradient belong to the policy that sampled.
 
 Mini-batches (TTRL's ppo_mini_batch_size): a step's groups are cut, in order, into mini-batches of Q
-groups, and each takes one optimizer step on its own L. pi_old's log-probs are computed once, before
+groups, and each takes one optimizer step on its own L (skipped, and counted, when its gradient norm is not
+finite, as verl does). The learning-rate schedule steps once per call (lr_schedule_unit "step": verl, whose
+AdamW steps of one training step share a learning rate) or once per optimizer step. pi_old's log-probs are computed once, before
 the first mini-batch; in the first, pi_theta = pi_old (rho = 1, the clip never binds, the gradient is
 the plain policy gradient -AGG A_i grad log pi_theta(o_it)); from the second on the policy has moved
 and the clip binds. TTRL: Q = 1 question (its M = 32 rollouts), so a step of 8 questions is 8 AdamW steps.
@@ -68,7 +73,9 @@ class GRPOSettings:
     mini_batch_groups: int | None = None    # Q: an optimizer step per Q groups (None: one for the whole batch)
     clip_low: float = 0.2                   # eps_low
     clip_high: float = 0.2                  # eps_high
+    clip_ratio_c: float = 3.0               # c of the dual clip (inf: none)
     kl_coef: float = 0.0                    # beta (> 0 needs ref_model)
+    lr_schedule_unit: str = "optimizer-step"  # scheduler.step() per optimizer step, or once per call ("step")
     agg: str = "token-mean"                 # AGG, one of AGGREGATIONS
     norm_len: int | None = None             # L_max of seq-mean-token-sum-norm: the rollouts' max new tokens
     scale_advantages: bool = True           # divide by the group's std (False: Dr. GRPO)
@@ -110,8 +117,8 @@ def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSett
     # here); recasting per use costs less time than it saves memory (python -m bench.grpo, docs/results.md)
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
     logprobs = partial(token_logprobs, temperature=s.temperature, chunk_rows=s.chunk_rows)
-    loss_fn = partial(policy_loss, clip_low=s.clip_low, clip_high=s.clip_high, agg=s.agg, kl_coef=s.kl_coef,
-                      norm_len=s.norm_len)
+    loss_fn = partial(policy_loss, clip_low=s.clip_low, clip_high=s.clip_high, clip_ratio_c=s.clip_ratio_c,
+                      agg=s.agg, kl_coef=s.kl_coef, norm_len=s.norm_len)
 
     advantages = group_advantages(batch.rewards, s.group_size, scale=s.scale_advantages).to(device)   # [B]
     plan = _plan(batch, advantages, s, accelerator)
@@ -122,11 +129,14 @@ def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSett
         _fix_logprobs(plan, logprobs, model, ref_model if s.kl_coef > 0 else None)
     totals = {}  # statistic -> token-weighted sum over this process's rollouts of every mini-batch
     for mini_batch in plan:
-        update = _mini_batch_update(model, optimizer, scheduler, mini_batch, accelerator=accelerator,
-                                    autocast=autocast, logprobs=logprobs, loss_fn=loss_fn,
-                                    max_grad_norm=s.max_grad_norm)
+        update = _mini_batch_update(model, optimizer, mini_batch, accelerator=accelerator, autocast=autocast,
+                                    logprobs=logprobs, loss_fn=loss_fn, max_grad_norm=s.max_grad_norm)
+        if s.lr_schedule_unit == "optimizer-step":
+            scheduler.step()
         for name, value in update.items():
             totals[name] = totals.get(name, 0.0) + value
+    if s.lr_schedule_unit == "step":
+        scheduler.step()
     model.train(was_training)
     metrics = _step_statistics(totals, len(plan), accelerator)
     metrics.update(adv_mean=float(advantages.mean()), adv_std=float(advantages.std()),
@@ -183,14 +193,15 @@ def _check_aggregation(agg: str, norm_len: int | None):
         raise ValueError(f"agg={agg!r} needs norm_len > 0 (the max new tokens of the rollouts), got {norm_len!r}")
 
 
-def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, agg="token-mean",
-                ref_logp=None, kl_coef=0.0, norm_len=None):
+def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0,
+                agg="token-mean", ref_logp=None, kl_coef=0.0, norm_len=None):
     """The clipped GRPO loss L (see top) and its statistics.
 
     logp, old_logp, ref_logp, mask: [B, T] over response tokens; advantages: [B].
     Returns (loss, stats); stats are detached token-means over valid tokens: clip_low and clip_high (share
     of tokens whose gradient the clip cuts: rho < 1 - eps_low with A < 0, rho > 1 + eps_high with A > 0),
-    approx_kl (k3 estimate of KL(pi_old || pi_theta)), ratio (mean rho), and kl_ref when kl_coef > 0.
+    clip_dual (share whose loss the dual clip caps: A < 0 and rho > c), approx_kl (k3 estimate of
+    KL(pi_old || pi_theta)), ratio (mean rho), and kl_ref when kl_coef > 0.
     """
     if not (logp.shape == old_logp.shape == mask.shape) or advantages.shape != logp.shape[:1]:
         raise ValueError(f"policy_loss: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
@@ -200,13 +211,16 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2
         raise ValueError("policy_loss: kl_coef > 0 needs ref_logp of the same shape [B, T] as logp")
     valid = mask.bool()                                                          # [B, T]
     # padding may hold anything; zero its log-ratio so exp() stays finite and its gradient is exactly 0
-    log_ratio = torch.where(valid, logp - old_logp, 0.0)                        # [B, T]
+    log_ratio = torch.where(valid, logp - old_logp, 0.0).clamp(-20, 20)         # [B, T]
     ratio = torch.exp(log_ratio)                                                 # [B, T]
     adv = advantages[:, None].to(ratio.dtype)                                    # [B, 1]
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)  # [B, T]
+    clipped = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)  # [B, T]
+    # dual clip: however far rho has grown, a token with A < 0 loses at most c |A| (and then gets no gradient)
+    dual = (adv < 0) & (clipped > -clip_ratio_c * adv)                           # [B, T]
+    per_token = torch.where(dual, -clip_ratio_c * adv, clipped)                  # [B, T]
     if kl_coef > 0:
-        ref_gap = torch.where(valid, ref_logp - logp, 0.0)                       # [B, T]
-        kl_ref = torch.exp(ref_gap) - ref_gap - 1                                # [B, T], k3
+        ref_gap = torch.where(valid, ref_logp - logp, 0.0).clamp(-20, 20)       # [B, T]
+        kl_ref = (torch.exp(ref_gap) - ref_gap - 1).clamp(max=10)                # [B, T], low_var_kl
         per_token = per_token + kl_coef * kl_ref
     loss = aggregate(per_token, valid, agg, norm_len)
 
@@ -215,6 +229,7 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2
             return aggregate(x.float(), valid, "token-mean")
         stats = {"clip_low": token_mean((ratio < 1 - clip_low) & (adv < 0)),
                  "clip_high": token_mean((ratio > 1 + clip_high) & (adv > 0)),
+                 "clip_dual": token_mean(dual),
                  "approx_kl": token_mean(ratio - 1 - log_ratio),
                  "ratio": token_mean(ratio)}
         if kl_coef > 0:
@@ -426,11 +441,11 @@ def _step_statistics(totals: dict, steps: int, accelerator) -> dict:
         summed = accelerator.reduce(summed, reduction="sum")
     totals = dict(zip(names, summed.tolist()))
     tokens = max(totals["response_tokens"], 1.0)
-    per_step = ("loss", "grad_norm", "lr")
-    metrics = {name: value / tokens for name, value in totals.items() if name not in (*per_step, "response_tokens")}
+    per_step, counts = ("loss", "grad_norm", "lr"), ("response_tokens", "skipped_steps")
+    metrics = {name: value / tokens for name, value in totals.items() if name not in (*per_step, *counts)}
     metrics.update({name: totals[name] / steps for name in per_step})
-    metrics.update(clip_frac=metrics["clip_low"] + metrics["clip_high"], optimizer_steps=float(steps),
-                   response_tokens=totals["response_tokens"])
+    metrics.update({name: totals[name] for name in counts})
+    metrics.update(clip_frac=metrics["clip_low"] + metrics["clip_high"], optimizer_steps=float(steps))
     return metrics
 
 
@@ -483,11 +498,12 @@ def _set_checkpointing(model, enabled: bool):
             core.activation_checkpointing_disable()
 
 
-def _mini_batch_update(model, optimizer, scheduler, micro: list[MicroBatch], *, accelerator, autocast, logprobs,
-                       loss_fn, max_grad_norm) -> dict:
-    """Accumulate one mini-batch's gradient over its micro-batches, then one optimizer and scheduler step.
-    Returns token-weighted sums of the loss statistics over this process's rollouts (weight-0 ones excluded),
-    and this step's loss, gradient norm and learning rate (counted once, by the main process)."""
+def _mini_batch_update(model, optimizer, micro: list[MicroBatch], *, accelerator, autocast, logprobs, loss_fn,
+                       max_grad_norm) -> dict:
+    """Accumulate one mini-batch's gradient over its micro-batches, then one optimizer step, skipped when the
+    gradient norm is not finite. Returns token-weighted sums of the loss statistics over this process's
+    rollouts (weight-0 ones excluded), and this step's loss, gradient norm, learning rate and whether it was
+    skipped (counted once, by the main process)."""
     sums = {}
     loss_total = torch.zeros((), device=micro[0].input_ids.device)
     for k, b in enumerate(micro):
@@ -517,9 +533,12 @@ def _mini_batch_update(model, optimizer, scheduler, micro: list[MicroBatch], *, 
     processes = accelerator.num_processes if accelerator is not None else 1
     main = accelerator is None or accelerator.is_main_process
     # loss_total is this process's share of L_k, scaled by processes (the weights above): /processes sums to L_k
-    sums.update(loss=loss_total / processes, grad_norm=grad_norm * main, lr=optimizer.param_groups[0]["lr"] * main)
-    optimizer.step()
-    scheduler.step()
+    # the norm is taken after the all-reduce, so every process skips the same steps
+    finite = bool(torch.isfinite(grad_norm))
+    sums.update(loss=loss_total / processes, grad_norm=grad_norm * main, lr=optimizer.param_groups[0]["lr"] * main,
+                skipped_steps=float(not finite) * main)
+    if finite:
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return sums
 

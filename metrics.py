@@ -3,6 +3,8 @@
 The monitors compare the vote with the hidden gold answers (label accuracy, the verifier's precision and
 recall, flips fixed or broken): reporting only, never rewards. One row per step goes to metrics.jsonl.
 """
+import re
+import statistics
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +39,7 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
     stats["verified"] = sum(vote.v)
     stats["verified_correct"] = sum(vi and ci for vi, ci in zip(vote.v, correct))
     stats["correct"] = sum(correct)
+    stats["no_answer"] = sum(a is None for a in answers)
     # recall's denominator: the right rollouts that got a verdict (a skipped one was never asked)
     stats["correct_judged"] = sum(ci for ci, res in zip(correct, verdicts) if res is None or res.status != "skipped")
     stats["statuses"] = [res.status for res in results]
@@ -66,6 +69,8 @@ def step_metrics(step, per_question, update, seconds) -> dict:
     row["verifier_recall"] = (row["verified_correct"] / row["correct_judged_rollouts"]
                               if statuses and row["correct_judged_rollouts"] else None)
     lengths = [n for q in per_question for n in q["response_tokens"]]
+    # rollouts that state no answer: no vote, reward 0 (the implicit format reward of --answer-rule strict)
+    row["no_answer_ratio"] = sum(q["no_answer"] for q in per_question) / max(len(lengths), 1)
     row["response_length"] = mean(lengths)
     row["policy_tokens"] = sum(lengths)
     row["verifier_tokens"] = sum(q["verifier_tokens"] for q in per_question)
@@ -79,13 +84,49 @@ def step_metrics(step, per_question, update, seconds) -> dict:
 def format_step(row: dict, total: int) -> str:
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
     timing = " ".join(f"{key[len('seconds/'):]} {value:.0f}s" for key, value in row.items() if key.startswith("seconds/"))
+    skips = row.get("grpo/skipped_steps", 0)
+    skipped = f" (skipped {skips:.0f}: gradient not finite)" if skips else ""
     return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])} (maj {fmt(row['majority_label_accuracy'])})"
             f" reward {fmt(row['reward_accuracy'])} | maj-ratio {fmt(row['majority_ratio'])}"
             f" gt-ratio {fmt(row['ground_truth_ratio'])} | verified {fmt(row['verified_ratio'])}"
             f" prec {fmt(row['verifier_precision'])} rec {fmt(row['verifier_recall'])} | flips {row['flipped'] * row['questions']:.0f}"
             f" (+{row['flip_fixed'] * row['questions']:.0f}/-{row['flip_broke'] * row['questions']:.0f})"
-            f" | len {row['response_length']:.0f} ent {fmt(row.get('grpo/entropy'))} loss {row.get('grpo/loss', 0):+.4f}"
-            f" opt-steps {row.get('grpo/optimizer_steps', 0):.0f} clip {row.get('grpo/clip_frac', 0):.4f} | {timing}")
+            f" | len {row['response_length']:.0f} no-ans {fmt(row.get('no_answer_ratio'))} ent {fmt(row.get('grpo/entropy'))}"
+            f" loss {row.get('grpo/loss', 0):+.4f} opt-steps {row.get('grpo/optimizer_steps', 0):.0f}"
+            f"{skipped} clip {row.get('grpo/clip_frac', 0):.4f} | {timing}")
+
+
+def eval_metrics(rows: list[dict], k: int) -> dict:
+    """One evaluation from its per-question rows (all processes): means over the questions, and avg@k with
+    its spread, from each question's k run results ("runs"): run j's accuracy is the mean over questions of
+    its j-th result, avg@k the mean of the k runs' accuracies, avg@k_std their standard deviation (ddof 0);
+    the same for each level when the benchmark has levels."""
+    def reduce(rows):
+        result = {"greedy@1": statistics.fmean(r["greedy@1"] for r in rows)}
+        if k:
+            per_run = [statistics.fmean(r["runs"][j] for r in rows) for j in range(k)]
+            result[f"avg@{k}"], result[f"avg@{k}_std"] = statistics.fmean(per_run), statistics.pstdev(per_run)
+        keys = [key for key in rows[0] if key not in ("level", "runs", "greedy@1")]
+        return result | {key: statistics.fmean(r[key] for r in rows) for key in keys}
+    result = reduce(rows)
+    levels = sorted({r["level"] for r in rows if r["level"] is not None})
+    if levels:
+        result["by_level"] = {lv: reduce([r for r in rows if r["level"] == lv]) for lv in levels}
+    return result
+
+
+ACCURACY = re.compile(r"(greedy@1|avg@\d+|maj@\d+|verified_maj@\d+)$")
+
+
+def best_evals(rows: list[dict]) -> dict:
+    """Each accuracy's peak over a run's evaluations and the step it came at: best/<key> and best/<key>/step
+    (the first step that reached it)."""
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    best = {}
+    for key in [key for key in (evals[-1] if evals else {}) if ACCURACY.match(key)]:
+        peak = max((r for r in evals if key in r), key=lambda r: r[key])
+        best[f"best/{key}"], best[f"best/{key}/step"] = peak[key], peak["step"]
+    return best
 
 
 def format_eval(result: dict) -> str:
@@ -97,19 +138,29 @@ def format_eval(result: dict) -> str:
 
 
 def summary(run_dir: Path) -> str:
-    """Before vs after evaluation, and TTRL (majority) vs T3RL (weighted) pseudo-label accuracy during training."""
+    """Pass@1 (avg@k, with its spread over the k runs) before, at the end and at its best; every evaluation
+    metric likewise; TTRL (majority) vs T3RL (weighted) pseudo-label accuracy during training."""
     rows = read_jsonl_rows(run_dir / "metrics.jsonl")
     train_rows = [r for r in rows if r["kind"] == "train"]
     # "before" is the step-0 evaluation only: if metrics.jsonl lost it, the table says so instead of showing another
     before = next((r for r in rows if r["kind"] == "eval" and r["step"] == 0 and not r.get("final")), {})
     after = next((r for r in reversed(rows) if r.get("final")), {})
-    lines = [f"summary of {run_dir}", f"{'metric':<28}{'before':>10}{'after':>10}"]
+    best = best_evals(rows)
+    lines = [f"summary of {run_dir}"]
+    k = next((key[4:] for key in after or before if re.fullmatch(r"avg@\d+", key)), None)
+    if k:
+        spread = lambda row: f"{row[f'avg@{k}']:.3f} +- {row[f'avg@{k}_std']:.3f}" if row else "-"  # noqa: E731
+        lines.append(f"Pass@1 = avg@{k} +- std over {k} runs: before {spread(before)}, final {spread(after)}, best "
+                     f"{best[f'best/avg@{k}']:.3f} at step {best[f'best/avg@{k}/step']}")
+    lines.append(f"{'metric':<28}{'before':>10}{'final':>10}{'best':>10}  at step")
     if not before:
         lines.append(f"(no step-0 evaluation in {run_dir / 'metrics.jsonl'}: the file was cut or deleted; 'before' is unknown)")
     for key in before or after:
-        if key not in ("kind", "step", "final", "by_level") and isinstance((before or after)[key], (int, float)):
+        if key not in ("kind", "step", "final", "by_level") and not key.startswith("best/") and \
+                isinstance((before or after)[key], (int, float)):
             fmt = lambda row: f"{row[key]:>10.3f}" if key in row else f"{'-':>10}"  # noqa: E731
-            lines.append(f"{key:<28}{fmt(before)}{fmt(after)}")
+            peak = f"{best[f'best/{key}']:>10.3f}  {best[f'best/{key}/step']}" if f"best/{key}" in best else ""
+            lines.append(f"{key:<28}{fmt(before)}{fmt(after)}{peak}")
     if train_rows:
         mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)  # noqa: E731
         lines.append(f"{'training steps':<28}{len(train_rows):>10}")

@@ -40,7 +40,9 @@ from config import Config, OptionError, has_gpu, parse_command
 from domains import MATH_INSTRUCTION, domain_of
 from files import DataError, append_jsonl
 from grpo import GRPOSettings, Rollouts, bf16_supported, cosine_schedule, grpo_step, make_optimizer
-from metrics import Stopwatch, format_eval, format_step, is_correct, plot_run, question_monitors, step_metrics, summary
+from files import read_jsonl_rows
+from metrics import (Stopwatch, best_evals, eval_metrics, format_eval, format_step, is_correct, plot_run,
+                     question_monitors, step_metrics, summary)
 from model import ModelLoadError, check_hub, load_model
 from runs import (RunDirError, drop_rows_after, load_checkpoint, open_run_dir, restore_state, run_banner, run_dir_of,
                   save_checkpoint, tracker_names, tracker_row, tracking)
@@ -55,11 +57,13 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
     """One step of test-time RL on a step's questions; returns the step's metrics row. This process samples,
     verifies and votes on its share of the questions (none, at the end of an episode, when processes
     outnumber them: it still takes part in every collective); the update then runs on everyone's rollouts."""
-    cfg, accelerator, clock, dom = learner.cfg, learner.accelerator, Stopwatch(), domain_of(learner.cfg.bench)
+    cfg, accelerator, clock = learner.cfg, learner.accelerator, Stopwatch()
+    dom = domain_of(cfg.bench, cfg.answer_rule)
     shard = questions[accelerator.process_index::accelerator.num_processes]
-    with clock("sample"):  # 1. y_1..y_N ~ pi_theta(. | q) and their final answers a_i
+    with clock("sample"):  # 1. y_1..y_N ~ pi_theta(. | q) and their final answers a_i (None: states none)
+        seeds = [question_seed(cfg.seed, step, rec["id"], "rollout") for rec in shard]
         groups = sample_groups(accelerator.unwrap_model(learner.policy), learner.tokenizer, shard, cfg,
-                               n=cfg.n_votes, temperature=cfg.temperature, step=step, purpose="rollout")  # [q][N] Completion
+                               cfg.n_votes, cfg.temperature, cfg.top_p, seeds)  # [q][N] Completion
         answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, groups)]
     with clock("verify"):  # 2. v_i = 1 when the verifier's program, run in the sandbox, reproduces a_i
         verdicts = verify_groups(shard, groups, answers, learner.verifier, learner.pool, cfg)  # [q][N]
@@ -69,7 +73,7 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
         # 3. the weighted vote's winner is the pseudo-label; 4. r_i = 1[a_i in its class], no ground truth here
         vote = weighted_vote(ans, v, omega=cfg.omega, **dom.classes)
         # 5. vote, then sample: M of the N rollouts, chosen at random, go into the update
-        keep = random.Random(question_seed(cfg, step, rec["id"], "downsample")).sample(range(cfg.n_votes), cfg.n_train)
+        keep = random.Random(question_seed(cfg.seed, step, rec["id"], "downsample")).sample(range(cfg.n_votes), cfg.n_train)
         votes.append(Judged(vote, v, sorted(keep)))
     # 6. GRPO on every process's kept rollouts, an optimizer step per Q questions
     kept = gather_kept(shard, groups, votes, accelerator)
@@ -122,22 +126,23 @@ def policy_prompt(tokenizer, problem: str, instruction: str = MATH_INSTRUCTION) 
     return f"Question: {problem}\n{instruction}\nAnswer:"
 
 
-def question_seed(cfg: Config, step: int, qid: str, purpose: str) -> int:
-    """A seed per (run, step, question, purpose): results do not depend on how questions are split over processes."""
-    return int.from_bytes(hashlib.blake2b(f"{cfg.seed}|{step}|{qid}|{purpose}".encode(), digest_size=7).digest(), "big")
+def question_seed(seed: int, step: int, qid: str, purpose: str) -> int:
+    """A seed per (run seed, step, question, purpose): results do not depend on how questions are split over
+    processes."""
+    return int.from_bytes(hashlib.blake2b(f"{seed}|{step}|{qid}|{purpose}".encode(), digest_size=7).digest(), "big")
 
 
-def sample_groups(policy, tokenizer, records, cfg: Config, n: int, temperature: float, step: int, purpose: str):
-    """n completions per record, in one batched sampler call. Each question has its own seed, so what it gets
-    does not depend on which process or which batch it lands in. No records (a process without a question
-    this step): no completions."""
+def sample_groups(policy, tokenizer, records, cfg: Config, n: int, temperature: float, top_p: float, seeds,
+                  progress: str = "rollout"):
+    """n completions per record, in one batched sampler call. seeds: one per record, so that what a question
+    gets does not depend on which process or batch it lands in (None: greedy). No records (a process without a
+    question this step): no completions."""
     if not records:
         return []
     instruction = domain_of(cfg.bench).instruction
     prompts = [policy_prompt(tokenizer, rec["problem"], instruction) for rec in records]
-    seeds = [question_seed(cfg, step, rec["id"], purpose) for rec in records] if temperature > 0 else None
     return generate(policy, tokenizer, prompts, n=n, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
-                    top_p=cfg.top_p, seed=seeds, **sampler_options(cfg), progress=purpose)
+                    top_p=top_p, seed=seeds if temperature > 0 else None, **sampler_options(cfg), progress=progress)
 
 
 def sampler_options(cfg: Config) -> dict:
@@ -161,7 +166,7 @@ def verify_groups(records, groups, answers, verifier, pool, cfg: Config):
     problems = [rec["problem"] for rec, group in zip(records, groups) for _ in group]
     texts = [c.text for group in groups for c in group]
     flat = [a for group in answers for a in group]
-    results = verify_batch(problems, texts, flat, verifier, domain_of(cfg.bench), pool, budget=cfg.verify_budget,
+    results = verify_batch(problems, texts, flat, verifier, domain_of(cfg.bench, cfg.answer_rule), pool, budget=cfg.verify_budget,
                            omega=cfg.omega if cfg.lazy_verify else None)
     it = iter(results)
     return [[next(it) for _ in group] for group in groups]
@@ -196,37 +201,35 @@ def log_rollouts(step, shard, groups, answers, verdicts, votes, learner: Learner
 # Evaluation (ground truth is used here, and only here and in the monitors of metrics.py)
 
 def evaluate(policy, tokenizer, records, cfg: Config, accelerator, verifier, pool) -> dict:
-    """Greedy pass@1; with k = eval_samples also avg@k, maj@k and, when verifying, the verified-weighted maj@k:
-    T3RL's vote used at inference on the same k samples, the equal-budget baseline for training."""
+    """greedy@1 (greedy decoding) and, with k = eval_samples, the papers' Pass@1: avg@k, the mean accuracy of k
+    sampled runs at the evaluation's own temperature and top-p, run j seeded as a single run with seed + j
+    (so avg@k is the mean of k single runs), with avg@k_std, the std of the k runs' accuracies; maj@k and,
+    when verifying, verified_maj@k (T3RL's vote used at inference on the same k samples); and the share of
+    rollouts that state no answer (greedy_no_answer, no_answer@k)."""
     shard = records[accelerator.process_index::accelerator.num_processes]
-    unwrapped = accelerator.unwrap_model(policy)
-    greedy = sample_groups(unwrapped, tokenizer, shard, cfg, n=1, temperature=0.0, step=-1, purpose="greedy")
-    k = cfg.eval_samples
-    sampled = sample_groups(unwrapped, tokenizer, shard, cfg, n=k, temperature=cfg.temperature, step=-1,
-                            purpose="eval") if k else []
-    dom = domain_of(cfg.bench)
+    unwrapped, dom, k = accelerator.unwrap_model(policy), domain_of(cfg.bench, cfg.answer_rule), cfg.eval_samples
+    greedy = sample_groups(unwrapped, tokenizer, shard, cfg, 1, 0.0, 1.0, None, progress="greedy")
+    runs = [rec for _ in range(k) for rec in shard]  # run-major: run j is the j-th block of len(shard) rows
+    seeds = [question_seed(cfg.seed + j, -1, rec["id"], "eval") for j in range(k) for rec in shard]
+    flat = sample_groups(unwrapped, tokenizer, runs, cfg, 1, cfg.eval_temperature, cfg.eval_top_p, seeds, "eval")
+    sampled = [[flat[j * len(shard) + i][0] for j in range(k)] for i in range(len(shard))]  # [q][k]
     answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, sampled)]
     verdicts = verify_groups(shard, sampled, answers, verifier, pool, cfg) if k and verifier else []
     rows = []
     for i, rec in enumerate(shard):
         greedy_answer = dom.extract(greedy[i][0].text, rec["problem"])
-        row = {"level": rec.get("level"), "pass@1": float(is_correct(greedy_answer, rec["answer"], dom))}
+        row = {"level": rec.get("level"), "greedy@1": float(is_correct(greedy_answer, rec["answer"], dom)),
+               "greedy_no_answer": float(greedy_answer is None)}
         if k:
-            row[f"avg@{k}"] = sum(is_correct(a, rec["answer"], dom) for a in answers[i]) / k
+            row["runs"] = [float(is_correct(a, rec["answer"], dom)) for a in answers[i]]       # [k]
             majority = weighted_vote(answers[i], [0] * k, omega=1.0, **dom.classes).label
             row[f"maj@{k}"] = float(is_correct(majority, rec["answer"], dom))
             if verdicts:
                 label = weighted_vote(answers[i], [r.v for r in verdicts[i]], omega=cfg.omega, **dom.classes).label
                 row[f"verified_maj@{k}"] = float(is_correct(label, rec["answer"], dom))
+            row[f"no_answer@{k}"] = sum(a is None for a in answers[i]) / k
         rows.append(row)
-    rows = gather_object(rows)
-    keys = [key for key in rows[0] if key != "level"]
-    result = {key: sum(r[key] for r in rows) / len(rows) for key in keys}
-    levels = sorted({r["level"] for r in rows if r["level"] is not None})
-    if levels:
-        result["by_level"] = {lv: {key: sum(r[key] for r in rows if r["level"] == lv) /
-                                   sum(r["level"] == lv for r in rows) for key in keys} for lv in levels}
-    return result
+    return eval_metrics(gather_object(rows), k)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -239,7 +242,7 @@ def train(cfg: Config) -> Path:
     accelerator.wait_for_everyone()
     records = load_bench(cfg.bench)[:cfg.limit or None]
     batches = question_batches(records, cfg)
-    for spec, option in ((cfg.model, "--model"), (cfg.verifier_model, "--verifier-model")):
+    for spec, option in ((cfg.model, "--model"), (cfg.verifier_model, "--verifier-model"))[:1 + cfg.verify]:
         check_hub(cfg.model if spec == "self" else spec, option)
     with accelerator.main_process_first():  # the main process sets a damaged checkpoint aside before the others look
         checkpoint, state = load_checkpoint(run_dir) if cfg.resume else (None, None)
@@ -286,8 +289,11 @@ def train(cfg: Config) -> Path:
                      **evaluate(policy, tokenizer, records, cfg, accelerator, verifier, pool)})
             if done % cfg.save_every == 0 or done == len(batches):
                 save_checkpoint(run_dir, done, policy, tokenizer, optimizer, scheduler, accelerator)
-        after = evaluate(policy, tokenizer, records, cfg, accelerator, verifier, pool)
-        log({"kind": "eval", "step": len(batches), "final": True, **after})
+        final = {"kind": "eval", "step": len(batches), "final": True,
+                 **evaluate(policy, tokenizer, records, cfg, accelerator, verifier, pool)}
+        if accelerator.is_main_process:  # each run's peak beside its end, as the papers' robustness figures use
+            final.update(best_evals(read_jsonl_rows(run_dir / "metrics.jsonl") + [final]))
+        log(final)
     if accelerator.is_main_process:
         print(summary(run_dir))
         plot_run(run_dir)
@@ -295,12 +301,18 @@ def train(cfg: Config) -> Path:
 
 
 def question_batches(records: list[dict], cfg: Config) -> list[list[dict]]:
-    """Every step's questions: each episode is one pass over the benchmark in a fresh seeded order."""
+    """Every step's questions: each episode is one pass over the benchmark in a fresh seeded order, without
+    its last partial step under --drop-last (verl's dataloader: 30 questions at 8 a step are 3 steps)."""
+    per_step = cfg.questions_per_step
+    if cfg.drop_last and len(records) < per_step:
+        raise OptionError(f"--questions-per-step {per_step} with --drop-last: the benchmark has {len(records)} "
+                          f"questions, so no step is left; lower --questions-per-step or pass --no-drop-last")
     batches = []
     for episode in range(cfg.episodes):
         order = list(records)
         random.Random(cfg.seed * 1000 + episode).shuffle(order)
-        batches += [order[i:i + cfg.questions_per_step] for i in range(0, len(order), cfg.questions_per_step)]
+        end = len(order) - len(order) % per_step if cfg.drop_last else len(order)
+        batches += [order[i:i + per_step] for i in range(0, end, per_step)]
     return batches[:cfg.max_steps] if cfg.max_steps else batches
 
 
@@ -332,18 +344,20 @@ def build_verifier(cfg: Config, device, loaded=None):
 
 
 def make_optimization(policy, batches: list[list[dict]], cfg: Config):
-    """AdamW on the policy and its cosine schedule over the run's optimizer steps."""
+    """AdamW on the policy and its cosine schedule over the run's training steps (verl) or optimizer steps."""
     optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    # the schedule counts optimizer steps: one per mini-batch of questions, so ceil(questions / Q) per step
-    optimizer_steps = sum(-(-len(b) // (cfg.mini_batch_questions or len(b))) for b in batches)
-    scheduler = cosine_schedule(optimizer, total_steps=optimizer_steps, warmup_steps=int(cfg.warmup_ratio * optimizer_steps))
+    # an optimizer step per mini-batch of questions: ceil(questions / Q) per training step
+    total = len(batches) if cfg.lr_schedule_unit == "step" else sum(
+        -(-len(b) // (cfg.mini_batch_questions or len(b))) for b in batches)
+    scheduler = cosine_schedule(optimizer, total_steps=total, warmup_steps=int(cfg.warmup_ratio * total))
     return optimizer, scheduler
 
 
 def grpo_settings(cfg: Config, device) -> GRPOSettings:
     """The update's settings from the run's: M rollouts per question, Q questions per optimizer step, the loss."""
     return GRPOSettings(group_size=cfg.n_train, mini_batch_groups=cfg.mini_batch_questions or None,
-                        clip_low=cfg.clip, clip_high=cfg.clip, kl_coef=cfg.kl_coef, agg=cfg.loss_agg,
+                        clip_low=cfg.clip_low, clip_high=cfg.clip_high, clip_ratio_c=cfg.clip_ratio_c,
+                        kl_coef=cfg.kl_coef, agg=cfg.loss_agg, lr_schedule_unit=cfg.lr_schedule_unit,
                         norm_len=cfg.max_new_tokens, scale_advantages=cfg.scale_advantages,
                         temperature=cfg.temperature, token_budget=cfg.micro_batch_tokens,
                         bf16=cfg.bf16 and bf16_supported(device), gradient_checkpointing=cfg.grad_checkpointing)
@@ -368,17 +382,18 @@ def run_study(cfg: Config) -> Path:
     device = torch.device("cuda" if has_gpu() else "cpu")
     policy, tokenizer = load_model(cfg.model, dtype=sample_dtype(cfg))  # it never trains: sampling dtype
     policy.to(device)
-    dom = domain_of(cfg.bench)
+    dom = domain_of(cfg.bench, cfg.answer_rule)
     weights = (policy, tokenizer) if cfg.verifier_model == "self" else load_model(cfg.verifier_model,
                                                                                   dtype=sample_dtype(cfg))
     with SandboxPool() as pool:
         def sample_and_verify(batch, first: int, n: int):
             # rollouts from `first` on (a grown study) get seeds of their own: new draws, not the first ones again
             grown = f"+{first}" if first else ""
-            groups = sample_groups(policy, tokenizer, batch, cfg, n, cfg.temperature, -1, "study" + grown)
+            seeds = [question_seed(cfg.seed, -1, rec["id"], "study" + grown) for rec in batch]
+            groups = sample_groups(policy, tokenizer, batch, cfg, n, cfg.temperature, cfg.top_p, seeds, "study")
             answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(batch, groups)]
             # the verifier is seeded per batch, so a resumed study draws the programs an uninterrupted one would
-            seeded = replace(cfg, seed=question_seed(cfg, -1, batch[0]["id"], "verify" + grown))
+            seeded = replace(cfg, seed=question_seed(cfg.seed, -1, batch[0]["id"], "verify" + grown))
             verifier = build_verifier(seeded, device, loaded=weights)
             return groups, answers, verify_groups(batch, groups, answers, verifier, pool, cfg)
         collect(records, run_dir, sample_and_verify, cfg.questions_per_step, cfg.n_votes)

@@ -45,8 +45,31 @@ def test_paper_preset_follows_the_paper():
     assert (cfg.n_votes, cfg.n_train, cfg.temperature, cfg.top_p) == (64, 32, 0.6, 0.95)
     assert (cfg.max_new_tokens, cfg.verifier_max_new_tokens, cfg.lr, cfg.kl_coef, cfg.omega) == (2560, 1024, 5e-7, 0.0, 5.0)
     assert (cfg.episodes, cfg.eval_samples) == (80, 16)
-    assert (cfg.mini_batch_questions, cfg.warmup_ratio, cfg.clip) == (1, 0.03, 0.2)  # TTRL's scripts
+    assert (cfg.mini_batch_questions, cfg.warmup_ratio, cfg.clip_low, cfg.clip_high) == (1, 0.03, 0.2, 0.2)  # TTRL's scripts
+    # where the paper is silent, TTRL's scripts: prompts per step, the schedule, the evaluation, drop_last
+    assert (cfg.questions_per_step, cfg.lr_schedule_unit, cfg.drop_last, cfg.answer_rule) == (8, "step", True, "strict")
+    assert (cfg.eval_every, cfg.eval_temperature, cfg.eval_top_p) == (2, 0.6, 0.95)
     assert config.parse_config(["--preset", "paper", "--bench", "amc"]).episodes == 30
+    assert config.parse_config(["--preset", "paper"]).questions_per_step == 32
+
+
+def test_ttrl_preset_is_ttrls_scripts():
+    """TTRL's verl/examples/ttrl/Qwen2.5-Math/{math,amc,aime}.sh and verl's defaults (README's preset table)."""
+    cfg = config.parse_config(["--preset", "ttrl", "--bench", "aime2024"])
+    assert (cfg.model, cfg.verify, cfg.omega, cfg.n_votes, cfg.n_train) == ("Qwen/Qwen2.5-Math-1.5B", False, 1.0, 64, 32)
+    assert (cfg.temperature, cfg.top_p, cfg.max_new_tokens) == (1.0, 1.0, 3072)
+    assert (cfg.lr, cfg.warmup_ratio, cfg.lr_schedule_unit, cfg.mini_batch_questions) == (5e-7, 0.03, "step", 1)
+    assert (cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c) == (0.001, 0.2, 0.2, 3.0)
+    assert (cfg.eval_every, cfg.eval_samples, cfg.eval_temperature, cfg.eval_top_p) == (2, 16, 0.6, 0.95)
+    assert (cfg.drop_last, cfg.answer_rule, cfg.questions_per_step, cfg.episodes) == (True, "strict", 8, 80)
+    assert [(c.questions_per_step, c.episodes) for c in (config.parse_config(["--preset", "ttrl", "--bench", b])
+                                                         for b in ("math500", "amc"))] == [(32, 10), (8, 30)]
+    assert config.parse_config(["--preset", "ttrl", "--temperature", "0.6"]).temperature == 0.6  # options win
+
+
+def test_last_number_rule_is_refused_for_knights_and_knaves():
+    with pytest.raises(config.OptionError, match="--answer-rule last-number: reads numbers, for math benchmarks only"):
+        config.parse_config(["--bench", "knk", "--answer-rule", "last-number"])
 
 
 def test_every_option_is_read_by_the_run():

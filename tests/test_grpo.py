@@ -270,3 +270,64 @@ def test_cosine_schedule_warms_up_then_decays_to_zero():
         scheduler.step()
     cosine = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
     assert lrs == pytest.approx([0.5, 1.0, *cosine])
+
+
+def test_dual_clip_caps_the_loss_of_a_negative_advantage_token():
+    """verl's clip_ratio_c: with A < 0 a token whose ratio grew past c loses c |A|, not rho |A|, and gets no
+    gradient; with c = inf the plain clipped loss is back."""
+    logp = torch.tensor([[math.log(5.0), math.log(2.0)]]).requires_grad_()
+    mask, old, adv = torch.ones(1, 2), torch.zeros(1, 2), torch.tensor([-1.0])
+    loss, stats = policy_loss(logp, old, adv, mask, clip_ratio_c=3.0)
+    assert loss.item() == pytest.approx((3.0 + 2.0) / 2) and stats["clip_dual"].item() == 0.5
+    loss.backward()
+    assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
+    assert policy_loss(logp, old, adv, mask, clip_ratio_c=math.inf)[0].item() == pytest.approx((5.0 + 2.0) / 2)
+
+
+def test_clip_low_and_clip_high_are_separate_ranges():
+    """DAPO's clip-higher: eps_high 0.28 leaves a ratio of 1.25 with A > 0 its gradient; eps_low 0.2 still cuts
+    0.79 with A < 0."""
+    logp = torch.tensor([[1.25], [0.79]]).log().requires_grad_()
+    policy_loss(logp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), torch.ones(2, 1),
+                clip_low=0.2, clip_high=0.28)[0].backward()
+    assert logp.grad[0, 0] != 0 and logp.grad[1, 0] == 0
+
+
+def test_kl_term_is_verls_low_var_kl_capped_at_ten():
+    logp = torch.zeros(1, 1)
+    _, stats = policy_loss(logp, logp, torch.zeros(1), torch.ones(1, 1), ref_logp=logp + 5.0, kl_coef=0.001)
+    assert stats["kl_ref"].item() == 10.0  # exp(5) - 5 - 1 = 142.4, capped as verl's kl_penalty("low_var_kl")
+
+
+def test_a_step_whose_loss_is_not_finite_leaves_the_weights_and_is_counted(tiny_model, monkeypatch):
+    """verl skips an optimizer step whose gradient norm is not finite; so does grpo_step, and it says so."""
+    import grpo
+
+    def nan_loss(*args, **kwargs):
+        loss, stats = policy_loss(*args, **kwargs)
+        return loss * float("nan"), stats
+    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
+    scheduler = cosine_schedule(optimizer, 10)
+    batch = Rollouts(GRPO_PROMPTS, COMPLETIONS, [1.0, 0.0, 0.0, 1.0])
+    before = copy.deepcopy(tiny_model.state_dict())
+    monkeypatch.setattr(grpo, "policy_loss", nan_loss)
+    metrics = grpo_step(tiny_model, optimizer, scheduler, batch, GRPOSettings(2, bf16=False))
+    assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["grad_norm"])
+    assert all(torch.equal(before[name], value) for name, value in tiny_model.state_dict().items())
+    assert not optimizer.state and scheduler.last_epoch == 1  # no AdamW moment taken; the schedule keeps time
+    monkeypatch.undo()
+    metrics = grpo_step(tiny_model, optimizer, scheduler, batch, GRPOSettings(2, bf16=False))
+    assert metrics["skipped_steps"] == 0
+    assert not all(torch.equal(before[name], value) for name, value in tiny_model.state_dict().items())
+
+
+@pytest.mark.parametrize("unit, scheduler_steps", [("step", 1), ("optimizer-step", 4)])
+def test_the_schedule_steps_once_per_call_or_once_per_optimizer_step(tiny_model, unit, scheduler_steps):
+    """verl steps the cosine once per training step, so that step's AdamW steps share one learning rate."""
+    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
+    scheduler = cosine_schedule(optimizer, 8)
+    metrics = grpo_step(tiny_model, optimizer, scheduler, Rollouts(GRPO_PROMPTS * 2, COMPLETIONS * 2,
+                        [1.0, 0.0, 0.0, 1.0] * 2), GRPOSettings(2, mini_batch_groups=1, bf16=False, lr_schedule_unit=unit))
+    assert metrics["optimizer_steps"] == 4 and scheduler.last_epoch == scheduler_steps
+    shared = metrics["lr"] == pytest.approx(1e-2, rel=1e-6)  # the mean lr of the 4 AdamW steps is the peak
+    assert shared == (unit == "step")

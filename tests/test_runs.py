@@ -65,7 +65,7 @@ def test_report_to_tensorboard_logs_every_row_and_a_resumed_run_continues_it(tin
     for row in rows(run, "metrics.jsonl"):
         for key, value in runs.tracker_row(row).items():
             expected.setdefault(key, []).append((row["step"] + (row["kind"] == "train"), value))
-    assert "status/verified" in expected and "pass@1" in expected and "grpo/loss" in expected
+    assert "status/verified" in expected and "greedy@1" in expected and "grpo/loss" in expected
     assert scalars.keys() == expected.keys()
     for key, points in expected.items():  # every row once, at its step, with its value (to float32 precision)
         assert [step for step, _ in scalars[key]] == [step for step, _ in points], key
@@ -129,7 +129,7 @@ def test_deleted_metrics_do_not_make_the_final_eval_the_before(finished_run, tmp
     resume(run, finished_run, monkeypatch)
     table = capsys.readouterr().out
     assert "no step-0 evaluation" in table and "'before' is unknown" in table
-    pass_at_1 = [line.split() for line in table.splitlines() if line.startswith("pass@1")]
+    pass_at_1 = [line.split() for line in table.splitlines() if line.startswith("greedy@1")]
     assert pass_at_1 and pass_at_1[0][1] == "-"
     assert [r.get("final") for r in rows(run, "metrics.jsonl")] == [True]
 

@@ -1,15 +1,23 @@
 """t3rl.py: the loop's steps, episodes and monitors."""
+import dataclasses
+import json
+import statistics
+
+import pytest
 import torch
+from accelerate import Accelerator
 
 import config
+import domains
 import metrics
 import t3rl
 from helpers import QUESTIONS, rows, tiny_argv, write_bench
+from model import load_model
 from verifier import VERIFIER_SYSTEM, VerifierPrompt
 
 
 def test_episodes_pass_over_every_question_in_a_seeded_order():
-    cfg = config.Config(episodes=3, questions_per_step=3, max_steps=0)
+    cfg = config.Config(episodes=3, questions_per_step=3, max_steps=0, drop_last=False)
     records = [{"id": str(i)} for i in range(7)]
     batches = t3rl.question_batches(records, cfg)
     assert len(batches) == 9
@@ -17,6 +25,23 @@ def test_episodes_pass_over_every_question_in_a_seeded_order():
         ids = sorted(r["id"] for b in batches[episode * 3:(episode + 1) * 3] for r in b)
         assert ids == sorted(r["id"] for r in records)
     assert batches == t3rl.question_batches(records, cfg)
+
+
+def test_drop_last_trains_whole_steps_only_as_verl_does():
+    """AIME 2024 under TTRL's scripts: 30 questions at 8 a step are 3 steps an episode (verl drops the last
+    partial batch), not 4; every step has 8 questions and each episode still draws from all 30."""
+    records = [{"id": str(i)} for i in range(30)]
+    cfg = config.Config(episodes=80, questions_per_step=8, max_steps=0, drop_last=True)
+    batches = t3rl.question_batches(records, cfg)
+    assert len(batches) == 3 * 80 and {len(b) for b in batches} == {8}
+    assert len({r["id"] for b in batches for r in b}) == 30
+    assert len(t3rl.question_batches(records, config.Config(episodes=80, questions_per_step=8, drop_last=False))) == 4 * 80
+
+
+def test_drop_last_on_a_benchmark_smaller_than_a_step_is_refused_in_one_line():
+    with pytest.raises(config.OptionError, match=r"--questions-per-step 8 with --drop-last: the benchmark has 5 "
+                                                 r"questions.*--no-drop-last"):
+        t3rl.question_batches([{"id": str(i)} for i in range(5)], config.Config(questions_per_step=8))
 
 
 def test_self_verifier_answers_each_prompt_and_no_verify_builds_none(tiny_dir, tmp_path):
@@ -65,3 +90,80 @@ def test_a_run_without_the_verifier_reports_no_verifier_precision_or_recall(tiny
         assert " prec - rec - |" in metrics.format_step(m, 2)
     table = metrics.summary(run)
     assert f"verifier precision{'-':>20}" in table and f"verifier recall{'-':>23}" in table
+
+
+def _recorded_evaluation(tiny_dir, tmp_path, monkeypatch, **options):
+    """evaluate() on 12 questions with the tiny model, every sampler call recorded: (its options, its texts).
+    Answers are the texts themselves and 'right' is an even length, so accuracies follow what was sampled."""
+    calls = []
+
+    def recording_generate(*args, **kwargs):
+        out = t3rl_generate(*args, **kwargs)
+        calls.append((kwargs, [[c.text for c in group] for group in out]))
+        return out
+    t3rl_generate = t3rl.generate
+    monkeypatch.setattr(t3rl, "generate", recording_generate)
+    text_domain = dataclasses.replace(domains.MATH, extract=lambda text, problem: text, same=lambda a, b: a == b,
+                                      key=lambda a: a, equiv=lambda a, gold: len(a) % 2 == 0)
+    monkeypatch.setattr(t3rl, "domain_of", lambda bench, rule="strict": text_domain)
+    cfg = config.parse_config(tiny_argv(tiny_dir, tmp_path, verify=False, **options))
+    policy, tokenizer = load_model(str(tiny_dir))
+    records = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
+    result = t3rl.evaluate(policy, tokenizer, records, cfg, Accelerator(cpu=True), None, None)
+    return result, calls
+
+
+def test_evaluation_samples_at_its_own_temperature_not_trainings(tiny_dir, tmp_path, monkeypatch):
+    """TTRL trains at temperature 1.0 and evaluates at 0.6 / top-p 0.95: the k evaluation runs reach the
+    sampler with --eval-temperature and --eval-top-p, greedy@1 with temperature 0."""
+    _, calls = _recorded_evaluation(tiny_dir, tmp_path, monkeypatch, temperature=1.0, top_p=1.0,
+                                    eval_temperature=0.3, eval_top_p=0.9, eval_samples=2)
+    options = {kwargs["progress"]: (kwargs["temperature"], kwargs["top_p"]) for kwargs, _ in calls}
+    assert options == {"greedy": (0.0, 1.0), "eval": (0.3, 0.9)}
+
+
+def test_avg_at_k_is_the_mean_of_k_single_seeded_runs(tiny_dir, tmp_path, monkeypatch):
+    """avg@3 with seed 5 samples, for run j, exactly what a single-run evaluation with seed 5 + j samples, and
+    its value and spread are the mean and std of those single runs' accuracies."""
+    many, calls = _recorded_evaluation(tiny_dir, tmp_path / "k3", monkeypatch, seed=5, eval_samples=3)
+    runs = [text for kwargs, texts in calls if kwargs["progress"] == "eval" for text in texts]  # run-major
+    singles = []
+    for j in range(3):
+        single, single_calls = _recorded_evaluation(tiny_dir, tmp_path / f"k1-{j}", monkeypatch, seed=5 + j,
+                                                    eval_samples=1)
+        assert [t for kwargs, texts in single_calls if kwargs["progress"] == "eval" for t in texts] == runs[12 * j:12 * (j + 1)]
+        singles.append(single["avg@1"])
+    assert len({tuple(map(tuple, runs[12 * j:12 * (j + 1)])) for j in range(3)}) == 3  # three different runs
+    assert many["avg@3"] == pytest.approx(statistics.fmean(singles))
+    assert many["avg@3_std"] == pytest.approx(statistics.pstdev(singles))
+    assert 0 < many["greedy@1"] + many["avg@3"] and {"maj@3", "no_answer@3", "greedy_no_answer"} <= many.keys()
+
+
+def test_a_run_logs_its_best_evaluation_beside_the_final_one(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    evals = [{"kind": "eval", "step": 0, "greedy@1": 0.5, "avg@4": 0.40, "avg@4_std": 0.02},
+             {"kind": "eval", "step": 2, "greedy@1": 0.4, "avg@4": 0.55, "avg@4_std": 0.03},
+             {"kind": "eval", "step": 4, "final": True, "greedy@1": 0.6, "avg@4": 0.50, "avg@4_std": 0.01}]
+    best = metrics.best_evals(evals)
+    assert best == {"best/greedy@1": 0.6, "best/greedy@1/step": 4, "best/avg@4": 0.55, "best/avg@4/step": 2}
+    (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in evals))
+    table = metrics.summary(run)
+    assert "Pass@1 = avg@4 +- std over 4 runs: before 0.400 +- 0.020, final 0.500 +- 0.010, best 0.550 at step 2" in table
+    assert [line.split() for line in table.splitlines() if line.startswith("avg@4 ")] == [["avg@4", "0.400", "0.500", "0.550", "2"]]
+
+
+def test_the_no_answer_share_is_logged_per_step_and_at_evaluation(tiny_dir, tmp_path, monkeypatch, patched):
+    """A rollout that states no answer cannot vote and gets reward 0; the step line and metrics say how many."""
+    monkeypatch.setattr(domains, "extract_answer", lambda text: None if len(text) % 3 == 0 else "1")
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    logged = rows(run, "rollouts.jsonl")
+    for m in (m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"):
+        step = [r for r in logged if r["step"] == m["step"]]
+        assert m["no_answer_ratio"] == sum(r["answer"] is None for r in step) / len(step)
+        assert f" no-ans {m['no_answer_ratio']:.2f} " in metrics.format_step(m, 2)
+    assert 0 < sum(r["answer"] is None for r in logged) < len(logged)
+    final = [m for m in rows(run, "metrics.jsonl") if m.get("final")][0]
+    assert 0 <= final["no_answer@2"] <= 1 and "greedy_no_answer" in final
