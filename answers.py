@@ -151,8 +151,7 @@ _LAST_NUMBER = re.compile(r"-?\d*\.?\d+")
 
 
 def last_number(text):
-    """The last number in a text (thousands commas removed), or None: the fallback of TTRL's original parser
-    (Qwen2.5-Math's evaluation code) for a rollout that states no answer. "... so there are 25 ways." -> "25"."""
+    """The last number in a text, or None: TTRL's original parser's fallback. "... so there are 25 ways." -> "25"."""
     numbers = _LAST_NUMBER.findall((text or "").replace(",", ""))
     return numbers[-1] if numbers else None
 

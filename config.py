@@ -20,6 +20,7 @@ from accelerate.utils import LoggerType
 
 from benchmarks import BENCHES
 from domains import ANSWER_RULES, domain_of
+from grpo import bf16_supported
 from model import check_spec
 from runs import run_started, tracker_names
 
@@ -325,6 +326,19 @@ def free_run_name(cfg: Config) -> str:
     while run_started(Path(cfg.out_dir) / (name if suffix == 1 else f"{name}-{suffix}")):
         suffix += 1
     return name if suffix == 1 else f"{name}-{suffix}"
+
+
+def sampler_options(cfg: Config) -> dict:
+    """The backend, and for the kv backend its compute dtype (hf samples in the model's own dtype)."""
+    return dict(backend="kv", dtype=sample_dtype(cfg)) if cfg.backend == "kv" else dict(backend="hf")
+
+
+def sample_dtype(cfg: Config):
+    """Compute dtype for sampling: bfloat16 where the hardware runs it fast, unless the user says otherwise."""
+    if cfg.sample_dtype == "auto":
+        device = torch.device("cuda" if has_gpu() else "cpu")
+        return torch.bfloat16 if bf16_supported(device) else torch.float32
+    return getattr(torch, cfg.sample_dtype)
 
 
 def has_gpu() -> bool:

@@ -5,10 +5,8 @@
     knk     Knights and Knaves: answers are role assignments; the verifier writes SMT-LIB2 and z3 solves it
             in the sandbox (knk.py)
 
---bench knk is the knk domain, every other benchmark the math one (domain_of). The math domain reads a
-rollout's answer by one of two rules (--answer-rule): "strict" (a box or a stated answer, else none: no vote,
-reward 0, wrong at evaluation) or "last-number" (the same, else the last number in the text, as TTRL's
-original parser does: an implicit format reward is gone, every rollout that writes a number votes).
+--bench knk is the knk domain, every other benchmark the math one (domain_of). --answer-rule last-number reads
+a math rollout that states no answer by its last number, as TTRL's original parser does (strict: no answer).
 """
 from dataclasses import dataclass, replace
 from typing import Callable

@@ -93,13 +93,9 @@ def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSett
 
     batch: prompts and completions (token-id lists; a completion ends with EOS when it stopped there) and
     rewards [B], group after group, B = G x group_size. The groups are cut, in order, into mini-batches of
-    mini_batch_groups groups, and mini-batch k takes optimizer step k on
-
-        L_k = AGG_{i in k, t} -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i) + beta k3_it
-        rho_it = pi_theta(o_it | ...) / pi_old(o_it | ...),   pi_old = the policy before this call
-
-    (see the top of the file); log pi is taken at the sampling temperature (logits / temperature), as the
-    sampler drew. pi_old's log-probs are computed once, before the first mini-batch: in mini-batch 0,
+    mini_batch_groups groups, and mini-batch k takes optimizer step k on its own L (the top of the file), rho
+    against pi_old = the policy before this call, log pi at the sampling temperature (logits / temperature),
+    as the sampler drew. pi_old's log-probs are computed once, before the first mini-batch: in mini-batch 0,
     pi_theta = pi_old (rho = 1, the clip never binds); from mini-batch 1 on the policy has moved and the clip
     can bind. Inside a mini-batch, micro-batches of at most token_budget padded tokens accumulate the exact
     mini-batch gradient.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from domains import Domain, domain_of
 from files import read_jsonl_rows
-from voting import group_metrics
+from voting import group_metrics, weighted_vote
 
 
 class Stopwatch(dict):
@@ -94,6 +94,22 @@ def format_step(row: dict, total: int) -> str:
             f" | len {row['response_length']:.0f} no-ans {fmt(row.get('no_answer_ratio'))} ent {fmt(row.get('grpo/entropy'))}"
             f" loss {row.get('grpo/loss', 0):+.4f} opt-steps {row.get('grpo/optimizer_steps', 0):.0f}"
             f"{skipped} clip {row.get('grpo/clip_frac', 0):.4f} | {timing}")
+
+
+def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float) -> dict:
+    """One question's evaluation against its gold answer: greedy@1, the k runs' results, maj@k, verified_maj@k
+    (the weighted vote on the k samples, when verified: [k] verdicts) and the shares with no answer."""
+    gold, k = rec["answer"], len(answers)
+    row = {"level": rec.get("level"), "greedy@1": float(is_correct(greedy_answer, gold, domain)),
+           "greedy_no_answer": float(greedy_answer is None)}
+    if k:
+        row["runs"] = [float(is_correct(a, gold, domain)) for a in answers]                          # [k]
+        row[f"maj@{k}"] = float(is_correct(weighted_vote(answers, [0] * k, 1.0, **domain.classes).label, gold, domain))
+        if verified is not None:
+            label = weighted_vote(answers, verified, omega, **domain.classes).label
+            row[f"verified_maj@{k}"] = float(is_correct(label, gold, domain))
+        row[f"no_answer@{k}"] = sum(a is None for a in answers) / k
+    return row
 
 
 def eval_metrics(rows: list[dict], k: int) -> dict:

@@ -35,6 +35,8 @@ import json
 import math
 import random
 import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,24 @@ STUDY_FILE = "study.jsonl"
 
 # ----------------------------------------------------------------------------------------------------------------
 # Questions and rollouts: sampled and verified once, one JSONL line per question
+
+def open_study(cfg) -> Path:
+    """The study's run folder, with its config.json: a new one, or the one --resume names. A folder holding a
+    study with other settings is refused (resume it, or pick another --run-name)."""
+    if not cfg.verify or cfg.verify_budget or cfg.lazy_verify:
+        raise SystemExit("--study verifies every rollout: drop --no-verify, --verify-budget and --lazy-verify")
+    run_dir = Path(cfg.resume) if cfg.resume else Path(cfg.out_dir) / (
+        cfg.run_name or f"{cfg.bench}-study-{time.strftime('%Y%m%d-%H%M%S')}")
+    saved = run_dir / "config.json"
+    before = json.loads(saved.read_text()) if saved.is_file() and not cfg.resume else {}
+    changed = sorted(key for key, value in asdict(cfg).items() if key in before and before[key] != value)
+    if changed:
+        raise SystemExit(f"{run_dir} holds a study with other {', '.join(changed)}: pass --resume {run_dir} to "
+                         f"continue it (a larger --n-votes or --limit beside it grows it), or another --run-name")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps({**asdict(cfg), "resume": ""}, indent=2))
+    return run_dir
+
 
 def stratified(records: list[dict], limit: int, seed: int) -> list[dict]:
     """`limit` questions spread evenly over MATH levels (a seeded shuffle within each level, then one question of

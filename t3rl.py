@@ -23,11 +23,9 @@ Run it:
 """
 import functools
 import hashlib
-import json
 import random
 import sys
-import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -36,19 +34,18 @@ from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
 from benchmarks import load_bench
-from config import Config, OptionError, has_gpu, parse_command
+from config import Config, OptionError, has_gpu, parse_command, sample_dtype, sampler_options
 from domains import MATH_INSTRUCTION, domain_of
-from files import DataError, append_jsonl
+from files import DataError, append_jsonl, read_jsonl_rows
 from grpo import GRPOSettings, Rollouts, bf16_supported, cosine_schedule, grpo_step, make_optimizer
-from files import read_jsonl_rows
-from metrics import (Stopwatch, best_evals, eval_metrics, format_eval, format_step, is_correct, plot_run,
+from metrics import (Stopwatch, best_evals, eval_metrics, eval_row, format_eval, format_step, plot_run,
                      question_monitors, step_metrics, summary)
 from model import ModelLoadError, check_hub, load_model
 from runs import (RunDirError, drop_rows_after, load_checkpoint, open_run_dir, restore_state, run_banner, run_dir_of,
                   save_checkpoint, tracker_names, tracker_row, tracking)
 from sampler import generate
 from sandbox import SandboxPool
-from study import collect, replay, report, stratified
+from study import collect, open_study, replay, report, stratified
 from verifier import model_verifier, verify_batch
 from voting import Vote, weighted_vote
 
@@ -63,7 +60,7 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
     with clock("sample"):  # 1. y_1..y_N ~ pi_theta(. | q) and their final answers a_i (None: states none)
         seeds = [question_seed(cfg.seed, step, rec["id"], "rollout") for rec in shard]
         groups = sample_groups(accelerator.unwrap_model(learner.policy), learner.tokenizer, shard, cfg,
-                               cfg.n_votes, cfg.temperature, cfg.top_p, seeds)  # [q][N] Completion
+                               cfg.n_votes, temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds)  # [q][N]
         answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, groups)]
     with clock("verify"):  # 2. v_i = 1 when the verifier's program, run in the sandbox, reproduces a_i
         verdicts = verify_groups(shard, groups, answers, learner.verifier, learner.pool, cfg)  # [q][N]
@@ -127,12 +124,11 @@ def policy_prompt(tokenizer, problem: str, instruction: str = MATH_INSTRUCTION) 
 
 
 def question_seed(seed: int, step: int, qid: str, purpose: str) -> int:
-    """A seed per (run seed, step, question, purpose): results do not depend on how questions are split over
-    processes."""
+    """A seed per (run seed, step, question, purpose), whichever process or batch the question lands in."""
     return int.from_bytes(hashlib.blake2b(f"{seed}|{step}|{qid}|{purpose}".encode(), digest_size=7).digest(), "big")
 
 
-def sample_groups(policy, tokenizer, records, cfg: Config, n: int, temperature: float, top_p: float, seeds,
+def sample_groups(policy, tokenizer, records, cfg: Config, n: int, *, temperature: float, top_p: float, seeds,
                   progress: str = "rollout"):
     """n completions per record, in one batched sampler call. seeds: one per record, so that what a question
     gets does not depend on which process or batch it lands in (None: greedy). No records (a process without a
@@ -143,19 +139,6 @@ def sample_groups(policy, tokenizer, records, cfg: Config, n: int, temperature: 
     prompts = [policy_prompt(tokenizer, rec["problem"], instruction) for rec in records]
     return generate(policy, tokenizer, prompts, n=n, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
                     top_p=top_p, seed=seeds if temperature > 0 else None, **sampler_options(cfg), progress=progress)
-
-
-def sampler_options(cfg: Config) -> dict:
-    """The backend, and for the kv backend its compute dtype (hf samples in the model's own dtype)."""
-    return dict(backend="kv", dtype=sample_dtype(cfg)) if cfg.backend == "kv" else dict(backend="hf")
-
-
-def sample_dtype(cfg: Config):
-    """Compute dtype for sampling: bfloat16 where the hardware runs it fast, unless the user says otherwise."""
-    if cfg.sample_dtype == "auto":
-        device = torch.device("cuda" if has_gpu() else "cpu")
-        return torch.bfloat16 if bf16_supported(device) else torch.float32
-    return getattr(torch, cfg.sample_dtype)
 
 
 def verify_groups(records, groups, answers, verifier, pool, cfg: Config):
@@ -208,28 +191,30 @@ def evaluate(policy, tokenizer, records, cfg: Config, accelerator, verifier, poo
     rollouts that state no answer (greedy_no_answer, no_answer@k)."""
     shard = records[accelerator.process_index::accelerator.num_processes]
     unwrapped, dom, k = accelerator.unwrap_model(policy), domain_of(cfg.bench, cfg.answer_rule), cfg.eval_samples
-    greedy = sample_groups(unwrapped, tokenizer, shard, cfg, 1, 0.0, 1.0, None, progress="greedy")
+    greedy = sample_groups(unwrapped, tokenizer, shard, cfg, 1, temperature=0.0, top_p=1.0, seeds=None, progress="greedy")
     runs = [rec for _ in range(k) for rec in shard]  # run-major: run j is the j-th block of len(shard) rows
     seeds = [question_seed(cfg.seed + j, -1, rec["id"], "eval") for j in range(k) for rec in shard]
-    flat = sample_groups(unwrapped, tokenizer, runs, cfg, 1, cfg.eval_temperature, cfg.eval_top_p, seeds, "eval")
+    flat = sample_groups(unwrapped, tokenizer, runs, cfg, 1, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
+                         seeds=seeds, progress="eval")
     sampled = [[flat[j * len(shard) + i][0] for j in range(k)] for i in range(len(shard))]  # [q][k]
     answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, sampled)]
-    verdicts = verify_groups(shard, sampled, answers, verifier, pool, cfg) if k and verifier else []
-    rows = []
-    for i, rec in enumerate(shard):
-        greedy_answer = dom.extract(greedy[i][0].text, rec["problem"])
-        row = {"level": rec.get("level"), "greedy@1": float(is_correct(greedy_answer, rec["answer"], dom)),
-               "greedy_no_answer": float(greedy_answer is None)}
-        if k:
-            row["runs"] = [float(is_correct(a, rec["answer"], dom)) for a in answers[i]]       # [k]
-            majority = weighted_vote(answers[i], [0] * k, omega=1.0, **dom.classes).label
-            row[f"maj@{k}"] = float(is_correct(majority, rec["answer"], dom))
-            if verdicts:
-                label = weighted_vote(answers[i], [r.v for r in verdicts[i]], omega=cfg.omega, **dom.classes).label
-                row[f"verified_maj@{k}"] = float(is_correct(label, rec["answer"], dom))
-            row[f"no_answer@{k}"] = sum(a is None for a in answers[i]) / k
-        rows.append(row)
+    verdicts = verify_groups(shard, sampled, answers, verifier, pool, cfg) if k and verifier else [None] * len(shard)
+    rows = [eval_row(rec, dom.extract(g[0].text, rec["problem"]), a, [r.v for r in v] if v else None, dom, cfg.omega)
+            for rec, g, a, v in zip(shard, greedy, answers, verdicts)]
     return eval_metrics(gather_object(rows), k)
+
+
+def log_evaluation(learner: Learner, records: list[dict], step: int, log, final: bool = False):
+    """Evaluate the policy, log the row (the final one with each accuracy's best over the run) and print it."""
+    result = evaluate(learner.policy, learner.tokenizer, records, learner.cfg, learner.accelerator, learner.verifier,
+                      learner.pool)
+    row = {"kind": "eval", "step": step, **result}
+    if final:  # each run's peak beside its end, as the papers' robustness figures use
+        row["final"] = True
+        if learner.accelerator.is_main_process:
+            row.update(best_evals(read_jsonl_rows(learner.run_dir / "metrics.jsonl") + [row]))
+    log(row)
+    learner.accelerator.print(f"eval at step {step}: {format_eval(result)}")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -273,9 +258,7 @@ def train(cfg: Config) -> Path:
         if accelerator.is_main_process:
             print(f"[t3rl] sandbox: {pool.report}", file=sys.stderr)
         if start == 0:
-            before = evaluate(policy, tokenizer, records, cfg, accelerator, verifier, pool)
-            log({"kind": "eval", "step": 0, **before, **({"final": True} if cfg.eval_only else {})})
-            accelerator.print(f"eval before training: {format_eval(before)}")
+            log_evaluation(learner, records, 0, log, final=cfg.eval_only)
             if cfg.eval_only:
                 return run_dir
         for step in tqdm(range(start, len(batches)), desc="steps", initial=start, total=len(batches),
@@ -285,15 +268,10 @@ def train(cfg: Config) -> Path:
             accelerator.print(format_step(row, len(batches)))
             done = step + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < len(batches):
-                log({"kind": "eval", "step": done,
-                     **evaluate(policy, tokenizer, records, cfg, accelerator, verifier, pool)})
+                log_evaluation(learner, records, done, log)
             if done % cfg.save_every == 0 or done == len(batches):
                 save_checkpoint(run_dir, done, policy, tokenizer, optimizer, scheduler, accelerator)
-        final = {"kind": "eval", "step": len(batches), "final": True,
-                 **evaluate(policy, tokenizer, records, cfg, accelerator, verifier, pool)}
-        if accelerator.is_main_process:  # each run's peak beside its end, as the papers' robustness figures use
-            final.update(best_evals(read_jsonl_rows(run_dir / "metrics.jsonl") + [final]))
-        log(final)
+        log_evaluation(learner, records, len(batches), log, final=True)
     if accelerator.is_main_process:
         print(summary(run_dir))
         plot_run(run_dir)
@@ -366,18 +344,7 @@ def grpo_settings(cfg: Config, device) -> GRPOSettings:
 def run_study(cfg: Config) -> Path:
     """--study: k_max = n_votes rollouts per question, sampled and verified once, saved, then study.py's report.
     Each question has its own sampling seed, so a resumed study samples what an uninterrupted one would."""
-    if not cfg.verify or cfg.verify_budget or cfg.lazy_verify:
-        raise SystemExit("--study verifies every rollout: drop --no-verify, --verify-budget and --lazy-verify")
-    run_dir = Path(cfg.resume) if cfg.resume else Path(cfg.out_dir) / (
-        cfg.run_name or f"{cfg.bench}-study-{time.strftime('%Y%m%d-%H%M%S')}")
-    saved = run_dir / "config.json"
-    before = json.loads(saved.read_text()) if saved.is_file() and not cfg.resume else {}
-    changed = sorted(key for key, value in asdict(cfg).items() if key in before and before[key] != value)
-    if changed:
-        raise SystemExit(f"{run_dir} holds a study with other {', '.join(changed)}: pass --resume {run_dir} to "
-                         f"continue it (a larger --n-votes or --limit beside it grows it), or another --run-name")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps({**asdict(cfg), "resume": ""}, indent=2))
+    run_dir = open_study(cfg)
     records = stratified(load_bench(cfg.bench), cfg.limit, cfg.seed)
     device = torch.device("cuda" if has_gpu() else "cpu")
     policy, tokenizer = load_model(cfg.model, dtype=sample_dtype(cfg))  # it never trains: sampling dtype
@@ -390,7 +357,8 @@ def run_study(cfg: Config) -> Path:
             # rollouts from `first` on (a grown study) get seeds of their own: new draws, not the first ones again
             grown = f"+{first}" if first else ""
             seeds = [question_seed(cfg.seed, -1, rec["id"], "study" + grown) for rec in batch]
-            groups = sample_groups(policy, tokenizer, batch, cfg, n, cfg.temperature, cfg.top_p, seeds, "study")
+            groups = sample_groups(policy, tokenizer, batch, cfg, n, temperature=cfg.temperature, top_p=cfg.top_p,
+                                   seeds=seeds, progress="study")
             answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(batch, groups)]
             # the verifier is seeded per batch, so a resumed study draws the programs an uninterrupted one would
             seeded = replace(cfg, seed=question_seed(cfg.seed, -1, batch[0]["id"], "verify" + grown))
