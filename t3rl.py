@@ -223,12 +223,12 @@ def log_evaluation(learner: Learner, records: list[dict], step: int, log, final:
 def train(cfg: Config) -> Path:
     accelerator = Accelerator(cpu=not has_gpu(), log_with=tracker_names(cfg) or None, project_dir=run_dir_of(cfg))
     set_seed(cfg.seed)
-    run_dir = open_run_dir(cfg) if accelerator.is_main_process else run_dir_of(cfg)
-    accelerator.wait_for_everyone()
-    records = load_bench(cfg.bench)[:cfg.limit or None]
+    records = load_bench(cfg.bench)[:cfg.limit or None]  # bad input ends here, before a run folder exists
     batches = question_batches(records, cfg)
     for spec, option in ((cfg.model, "--model"), (cfg.verifier_model, "--verifier-model"))[:1 + cfg.verify]:
         check_hub(cfg.model if spec == "self" else spec, option)
+    run_dir = open_run_dir(cfg) if accelerator.is_main_process else run_dir_of(cfg)
+    accelerator.wait_for_everyone()
     with accelerator.main_process_first():  # the main process sets a damaged checkpoint aside before the others look
         checkpoint, state = load_checkpoint(run_dir) if cfg.resume else (None, None)
 

@@ -167,3 +167,11 @@ def test_the_no_answer_share_is_logged_per_step_and_at_evaluation(tiny_dir, tmp_
     assert 0 < sum(r["answer"] is None for r in logged) < len(logged)
     final = [m for m in rows(run, "metrics.jsonl") if m.get("final")][0]
     assert 0 <= final["no_answer@2"] <= 1 and "greedy_no_answer" in final
+
+
+def test_a_run_refused_for_its_benchmark_leaves_no_run_folder(tmp_path, monkeypatch):
+    write_bench(tmp_path / "data", QUESTIONS)  # 4 questions: no whole step of 8
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    with pytest.raises(SystemExit, match="--questions-per-step 8 with --drop-last: the benchmark has 4 questions"):
+        t3rl.main(["--questions-per-step", "8", "--out-dir", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
