@@ -12,8 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 import knk
-import answers
-from answers import answer_key, extract_answer, is_equiv, same_answer
+from answers import answer_key, extract_answer, is_equiv, last_number, same_answer
 from guard import hardcoded
 from verifier import VERIFIER_SYSTEM, VERIFIER_USER, extract_code, python_tool, tool_agrees
 
@@ -53,7 +52,7 @@ def math_answer(text, problem):
 def math_answer_or_last_number(text, problem):
     """--answer-rule last-number: the final answer, else the last number the rollout writes."""
     answer = extract_answer(text)
-    return answers.last_number(text) if answer is None else answer
+    return last_number(text) if answer is None else answer
 
 
 def math_agrees(run, answer):

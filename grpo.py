@@ -23,17 +23,18 @@ with B responses in the batch, |o_i| their lengths and AGG one of
     seq-mean-token-sum-norm    sum_it l_it / (B * L_max)         (Dr. GRPO, L_max = max new tokens)
 
 The KL term is verl's low_var_kl (the k3 estimator, always >= 0, capped at 10); the paper uses beta = 0, so
-by default there is no reference model. As in verl, log rho and d are clamped to [-20, 20] before exp. This
-is verl's compute_policy_loss and kl_penalty term for term. pi is the distribution the rollouts were drawn from: softmax(logits / T) at the
-sampling temperature T (as verl computes it), so rho and the gradient belong to the policy that sampled.
+by default there is no reference model. As in verl, log rho and d are clamped to [-20, 20] before exp: this
+is verl's compute_policy_loss and kl_penalty term for term. pi is the distribution the rollouts were drawn
+from: softmax(logits / T) at the sampling temperature T (as verl computes it), so rho and the gradient
+belong to the policy that sampled.
 
 Mini-batches (TTRL's ppo_mini_batch_size): a step's groups are cut, in order, into mini-batches of Q
 groups, and each takes one optimizer step on its own L (skipped, and counted, when its gradient norm is not
 finite, as verl does). The learning-rate schedule steps once per call (lr_schedule_unit "step": verl, whose
-AdamW steps of one training step share a learning rate) or once per optimizer step. pi_old's log-probs are computed once, before
-the first mini-batch; in the first, pi_theta = pi_old (rho = 1, the clip never binds, the gradient is
-the plain policy gradient -AGG A_i grad log pi_theta(o_it)); from the second on the policy has moved
-and the clip binds. TTRL: Q = 1 question (its M = 32 rollouts), so a step of 8 questions is 8 AdamW steps.
+AdamW steps of one training step share a learning rate) or once per optimizer step. pi_old's log-probs are
+computed once, before the first mini-batch; in the first, pi_theta = pi_old (rho = 1, the clip never binds,
+the gradient is the plain policy gradient -AGG A_i grad log pi_theta(o_it)); from the second on the policy
+has moved and the clip binds. TTRL: Q = 1 question (its M = 32 rollouts), so a step of 8 questions is 8 AdamW steps.
 
 Exact: a mini-batch is processed in micro-batches that fit a token budget, and micro-batch k's loss is
 weighted by its share of L's normaliser (its valid tokens for token-mean, its sequences otherwise),
