@@ -20,9 +20,11 @@ from accelerate.utils import LoggerType
 
 from benchmarks import BENCHES
 from domains import ANSWER_RULES, domain_of
+from engine import INSTALL_HINT as VLLM_INSTALL_HINT, vllm_installed
 from grpo import bf16_supported
 from model import check_spec
 from runs import run_started, tracker_names
+from sampler import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ class Config:
     temperature: float = option(0.6, "rollout sampling temperature (0 = greedy)", NON_NEGATIVE)
     top_p: float = option(0.95, "rollout nucleus sampling mass", Range(0, 1, low_open=True, high_open=False))
     max_new_tokens: int = option(2560, "policy tokens per rollout", AT_LEAST_ONE)
-    backend: str = option("kv", "sampler backend: hand-written KV-cache sampler or transformers generate", ("kv", "hf"))
+    backend: str = option("kv", "policy's sampler: the hand-written KV-cache sampler, transformers generate, or the vLLM "
+                          "engine (colocated, weights synced before each sampling call that follows an update)", BACKENDS)
     sample_dtype: str = option("auto", "sampling compute dtype (auto: bfloat16 where supported)",
                                ("auto", "float32", "bfloat16"))
     answer_rule: str = option("strict", "how a math rollout's answer is read: strict (a box or a stated answer, else "
@@ -88,6 +91,7 @@ class Config:
                                "labels and rewards of verifying all, at fewer verifier prompts (one or two calls a step)")
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
+    verifier_backend: str = option("auto", "verifier's sampler (auto: the policy's --backend)", ("auto", *BACKENDS))
     sandbox_timeout: float = option(5.0, "seconds each verifier program may run", POSITIVE)
     # optimisation (GRPO)
     lr: float = option(5e-7, "peak learning rate (AdamW, cosine schedule)", NON_NEGATIVE)
@@ -108,6 +112,12 @@ class Config:
     micro_batch_tokens: int = option(8192, "tokens per micro-batch (gradient accumulation over the rest)", AT_LEAST_ONE)
     grad_checkpointing: bool = option(True, "recompute activations in the backward pass to save memory")
     bf16: bool = option(True, "bfloat16 autocast over float32 master weights where the hardware supports it")
+    # the inference engine (--backend vllm)
+    vllm_gpu_memory_utilization: float = option(0.3, "share of each GPU's memory an engine takes (colocated beside "
+                                                "the trainer)", Range(0, 1, low_open=True, high_open=False))
+    vllm_is_correction: bool = option(False, "truncated importance sampling: weight each token's loss by "
+                                      "min(pi_old / pi_engine, --vllm-is-cap), as TRL's vllm_importance_sampling_correction")
+    vllm_is_cap: float = option(3.0, "cap of the truncated importance weight", Range(1))
     # evaluation and bookkeeping
     eval_every: int = option(2, "evaluate every K steps, and before and after training (0 = only before and after)",
                              COUNT)
@@ -143,7 +153,8 @@ PRESETS = {
                  lr=5e-7, warmup_ratio=0.03, lr_schedule_unit="step", mini_batch_questions=1, kl_coef=0.001,
                  clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0, answer_rule="strict", drop_last=True,
                  eval_every=2, eval_samples=16, eval_temperature=0.6, eval_top_p=0.95),
-    "cpu": dict(bench="demo", verifier_model="coder-1.5b", n_votes=8, n_train=4, questions_per_step=3, max_steps=4,
+    # the kv sampler for both roles: on CPUs it is faster than vLLM's CPU engine (docs/results.md, engine bench)
+    "cpu": dict(bench="demo", verifier_model="coder-1.5b", backend="kv", verifier_backend="kv", n_votes=8, n_train=4, questions_per_step=3, max_steps=4,
                 max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
                 answer_rule="strict", drop_last=True, eval_every=0, eval_samples=4, save_every=3,
                 micro_batch_tokens=4096, mini_batch_questions=2),
@@ -235,6 +246,8 @@ def new_config(given: dict) -> Config:
         cfg.questions_per_step = TTRL_QUESTIONS_PER_STEP.get(bench, cfg.questions_per_step)
         if preset == "paper":
             cfg.eval_samples = 16 if bench == "aime2024" else 4
+            if vllm_installed():  # the paper's scale needs the engine; without it, the kv sampler
+                cfg.backend = cfg.verifier_backend = "vllm"
     if given.get("study"):
         # a study verifies every rollout; the cpu preset's budget and laziness only save training time; it never
         # trains, so the rollouts kept for training only need to fit in whatever --n-votes it samples
@@ -303,6 +316,12 @@ def check_config(cfg: Config, source: str = ""):
         if cfg.answer_rule != "strict" and domain_of(cfg.bench).name != "math":
             raise OptionError(f"--answer-rule {cfg.answer_rule}: reads numbers, for math benchmarks only; drop it "
                               f"for --bench {cfg.bench}")
+        if cfg.vllm_is_correction and cfg.backend != "vllm":
+            raise OptionError(f"--vllm-is-correction: corrects the vLLM engine's rollouts; pass --backend vllm "
+                              f"(the policy's is {cfg.backend}) or drop it")
+        for option, backend in (("--backend", cfg.backend), ("--verifier-backend", verifier_backend(cfg))):
+            if backend == "vllm" and not vllm_installed():
+                raise OptionError(f"{option} vllm: vLLM is not installed; {VLLM_INSTALL_HINT}")
         if cfg.n_train > cfg.n_votes:
             raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes ({cfg.n_votes}); "
                               f"M rollouts are kept out of the N sampled")
@@ -329,8 +348,12 @@ def free_run_name(cfg: Config) -> str:
 
 
 def sampler_options(cfg: Config) -> dict:
-    """The backend, and for the kv backend its compute dtype (hf samples in the model's own dtype)."""
-    return dict(backend="kv", dtype=sample_dtype(cfg)) if cfg.backend == "kv" else dict(backend="hf")
+    """The policy's backend, and for kv and vllm its compute dtype (hf samples in the model's own dtype)."""
+    return dict(backend="hf") if cfg.backend == "hf" else dict(backend=cfg.backend, dtype=sample_dtype(cfg))
+
+
+def verifier_backend(cfg: Config) -> str:
+    return cfg.backend if cfg.verifier_backend == "auto" else cfg.verifier_backend
 
 
 def sample_dtype(cfg: Config):

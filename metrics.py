@@ -86,6 +86,8 @@ def format_step(row: dict, total: int) -> str:
     timing = " ".join(f"{key[len('seconds/'):]} {value:.0f}s" for key, value in row.items() if key.startswith("seconds/"))
     skips = row.get("grpo/skipped_steps", 0)
     skipped = f" (skipped {skips:.0f}: gradient not finite)" if skips else ""
+    # the engine's log-probs against the trainer's (--backend vllm): how far off-policy its rollouts are
+    mismatch = f" lp-gap {row['grpo/logprob_mismatch']:.4f}" if "grpo/logprob_mismatch" in row else ""
     return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])} (maj {fmt(row['majority_label_accuracy'])})"
             f" reward {fmt(row['reward_accuracy'])} | maj-ratio {fmt(row['majority_ratio'])}"
             f" gt-ratio {fmt(row['ground_truth_ratio'])} | verified {fmt(row['verified_ratio'])}"
@@ -93,7 +95,7 @@ def format_step(row: dict, total: int) -> str:
             f" (+{row['flip_fixed'] * row['questions']:.0f}/-{row['flip_broke'] * row['questions']:.0f})"
             f" | len {row['response_length']:.0f} no-ans {fmt(row.get('no_answer_ratio'))} ent {fmt(row.get('grpo/entropy'))}"
             f" loss {row.get('grpo/loss', 0):+.4f} opt-steps {row.get('grpo/optimizer_steps', 0):.0f}"
-            f"{skipped} clip {row.get('grpo/clip_frac', 0):.4f} | {timing}")
+            f"{skipped} clip {row.get('grpo/clip_frac', 0):.4f}{mismatch} | {timing}")
 
 
 def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float) -> dict:

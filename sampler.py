@@ -3,9 +3,10 @@
     generate(model, tokenizer, prompts, n, max_new_tokens, temperature=0.6, top_p=0.95, seed=None,
              backend="kv", ignore_eos=False) -> [[Completion] * n for each prompt]
 
-Test-time RL samples N = 64 rollouts per question, so sampling is most of its cost. Two backends:
+Test-time RL samples N = 64 rollouts per question, so sampling is most of its cost. Three backends:
 
-  "hf"  transformers `generate`, the reference.
+  "hf"    transformers `generate`, the reference.
+  "vllm"  the vLLM inference engine, colocated, the model's weights synced into it (engine.py).
   "kv"  a batched sampler in plain PyTorch for the Llama / Qwen2 family, running the model's own weights:
 
             x_0    = embed[tokens]
@@ -76,7 +77,7 @@ from tqdm import tqdm
 
 from sampler_cpu import PackedLinear, kept_weights, packing_available
 
-BACKENDS = ("kv", "hf")
+BACKENDS = ("kv", "hf", "vllm")
 KV_MODEL_TYPES = ("llama", "qwen2")
 COMPACT_WHEN_FINISHED = 1 / 8  # compact the batch once this fraction of its rows has finished
 
@@ -88,8 +89,11 @@ class Completion:
     text: str | None  # None when generate was given no tokenizer
     finish_reason: str  # "eos" (token_ids ends with the end-of-sequence token) or "length"
     # sum over the drawn tokens of log softmax(logits / temperature): the sampling policy's log-probability of
-    # token_ids, before top-p truncation (what GRPO's ratio is taken against); "kv" backend at temperature > 0
+    # token_ids, before top-p truncation ("kv"; "vllm": after it) at temperature > 0
     logprob: float | None = None
+    # each drawn token's log-probability as the engine sampled it ("vllm" at temperature > 0): what GRPO compares
+    # with the trainer's (the rollout / training mismatch)
+    token_logprobs: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,14 +112,16 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
     the call: "kv" derives per-prompt seeds from it, "hf" seeds its one batched call. None draws an int from
     torch's global generator (so torch.manual_seed upstream makes a whole run repeatable).
     ignore_eos: keep sampling to max_new_tokens (benchmarks).
-    "kv" only: dtype (compute dtype; weights cast once per call), memory_budget (bytes for the KV cache and
+    dtype: the compute dtype of "kv" (weights cast once per call) and "vllm" (the engine's, fixed when it starts).
+    "kv" only: memory_budget (bytes for the KV cache and
     logits of one wave; default half the available memory), compile (torch.compile the decode step), progress (a
     label: show a progress bar over decode steps, with the number of rows still sampling), frozen (the model
     does not train, e.g. a verifier: its weights' sampling copy, cast, stacked and packed, is made on the first
-    call and kept for the next ones, until a parameter changes; "hf" has no copy to keep).
+    call and kept for the next ones, until a parameter changes; "vllm" loads its weights into the engine once;
+    "hf" has no copy to keep).
     """
     _check_arguments(backend, n, max_new_tokens, temperature, top_p,
-                     kv_only=dtype is not None or memory_budget is not None or compile)
+                     kv_only=memory_budget is not None or compile or (backend == "hf" and dtype is not None))
     prompt_ids = _prompt_ids(tokenizer, prompts)
     eos_ids = [] if ignore_eos else _eos_ids(model, tokenizer)
     if seed is None:
@@ -127,7 +133,11 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
         backend = "hf"
     sampling = Sampling(max_new_tokens, temperature, top_p)
     with torch.inference_mode():
-        if backend == "kv":
+        if backend == "vllm":
+            from engine import engine_for
+            rows = engine_for(model, tokenizer, dtype).generate(model, prompt_ids, n, sampling, prompt_seeds, eos_ids,
+                                                                frozen)
+        elif backend == "kv":
             rows = _generate_kv(model, prompt_ids, n, sampling, prompt_seeds=prompt_seeds, eos_ids=eos_ids,
                                 dtype=dtype, memory_budget=memory_budget, compile=compile, progress=progress,
                                 frozen=frozen)
@@ -137,9 +147,9 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
     completions = []
     for p, ids in enumerate(prompt_ids):
         group = []
-        for tokens, reason, logprob in rows[p * n:(p + 1) * n]:
+        for tokens, reason, logprob, *token_logprobs in rows[p * n:(p + 1) * n]:
             text = None if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
-            group.append(Completion(ids, tokens, text, reason, logprob))
+            group.append(Completion(ids, tokens, text, reason, logprob, *token_logprobs))
         completions.append(group)
     return completions
 
@@ -162,8 +172,9 @@ def _check_arguments(backend, n, max_new_tokens, temperature, top_p, kv_only: bo
         raise ValueError(f"temperature={temperature}: must be >= 0 (0 is greedy)")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p}: must be in (0, 1]")
-    if backend == "hf" and kv_only:
-        raise ValueError("dtype, memory_budget and compile apply to backend 'kv'; for 'hf' cast the model instead")
+    if backend != "kv" and kv_only:
+        raise ValueError(f"memory_budget and compile apply to backend 'kv' (and dtype to 'kv' and 'vllm'); for "
+                         f"{backend!r} drop them (cast the model for 'hf')")
 
 
 def _prompt_ids(tokenizer, prompts) -> list[list[int]]:

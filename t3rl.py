@@ -34,8 +34,9 @@ from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
 from benchmarks import load_bench
-from config import Config, OptionError, has_gpu, parse_command, sample_dtype, sampler_options
+from config import Config, OptionError, has_gpu, parse_command, sample_dtype, sampler_options, verifier_backend
 from domains import MATH_INSTRUCTION, domain_of
+from engine import configure as configure_engines, sleep_engines
 from files import DataError, append_jsonl, read_jsonl_rows
 from grpo import GRPOSettings, Rollouts, bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from metrics import (Stopwatch, best_evals, eval_metrics, eval_row, format_eval, format_step, plot_run,
@@ -75,6 +76,7 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
     # 6. GRPO on every process's kept rollouts, an optimizer step per Q questions
     kept = gather_kept(shard, groups, votes, accelerator)
     with clock("update"):
+        sleep_engines()  # vLLM engines on GPUs free their memory for the update (the next call wakes them)
         update = grpo_step(learner.policy, learner.optimizer, learner.scheduler, kept, learner.grpo,
                            accelerator=accelerator, ref_model=learner.ref_model)
     log_rollouts(step, shard, groups, answers, verdicts, votes, learner)
@@ -160,10 +162,13 @@ def gather_kept(shard, groups, votes, accelerator) -> Rollouts:
     weights do not depend on how the questions were split over processes."""
     rank, processes = accelerator.process_index, accelerator.num_processes
     positions = range(rank, rank + len(shard) * processes, processes)
-    mine = [(position, [(group[i].prompt_ids, group[i].token_ids, vote.rewards[i]) for i in vote.keep])
+    mine = [(position, [(group[i].prompt_ids, group[i].token_ids, vote.rewards[i], group[i].token_logprobs)
+                        for i in vote.keep])
             for position, group, vote in zip(positions, groups, votes)]
     rollouts = [r for _, kept in sorted(gather_object(mine), key=lambda question: question[0]) for r in kept]
-    return Rollouts(*(list(column) for column in zip(*rollouts)))
+    prompts, completions, rewards, sampled = (list(column) for column in zip(*rollouts))
+    # the sampler's token log-probs (the engine reports them) for the update's mismatch statistics
+    return Rollouts(prompts, completions, rewards, sampled if all(lp is not None for lp in sampled) else None)
 
 
 def log_rollouts(step, shard, groups, answers, verdicts, votes, learner: Learner):
@@ -223,6 +228,7 @@ def log_evaluation(learner: Learner, records: list[dict], step: int, log, final:
 def train(cfg: Config) -> Path:
     accelerator = Accelerator(cpu=not has_gpu(), log_with=tracker_names(cfg) or None, project_dir=run_dir_of(cfg))
     set_seed(cfg.seed)
+    configure_engines(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
     records = load_bench(cfg.bench)[:cfg.limit or None]  # bad input ends here, before a run folder exists
     batches = question_batches(records, cfg)
     for spec, option in ((cfg.model, "--model"), (cfg.verifier_model, "--verifier-model"))[:1 + cfg.verify]:
@@ -318,7 +324,8 @@ def build_verifier(cfg: Config, device, loaded=None):
     vmodel, vtok = loaded or load_model(spec, dtype=sample_dtype(cfg))
     vmodel.requires_grad_(False).to(device)
     return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,
-                          temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed, backend=cfg.backend)
+                          temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed,
+                          backend=verifier_backend(cfg))
 
 
 def make_optimization(policy, batches: list[list[dict]], cfg: Config):
@@ -338,7 +345,8 @@ def grpo_settings(cfg: Config, device) -> GRPOSettings:
                         kl_coef=cfg.kl_coef, agg=cfg.loss_agg, lr_schedule_unit=cfg.lr_schedule_unit,
                         norm_len=cfg.max_new_tokens, scale_advantages=cfg.scale_advantages,
                         temperature=cfg.temperature, token_budget=cfg.micro_batch_tokens,
-                        bf16=cfg.bf16 and bf16_supported(device), gradient_checkpointing=cfg.grad_checkpointing)
+                        bf16=cfg.bf16 and bf16_supported(device), gradient_checkpointing=cfg.grad_checkpointing,
+                        is_cap=cfg.vllm_is_cap if cfg.vllm_is_correction else None)
 
 
 def run_study(cfg: Config) -> Path:

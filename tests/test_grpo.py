@@ -331,3 +331,46 @@ def test_the_schedule_steps_once_per_call_or_once_per_optimizer_step(tiny_model,
     assert metrics["optimizer_steps"] == 4 and scheduler.last_epoch == scheduler_steps
     shared = metrics["lr"] == pytest.approx(1e-2, rel=1e-6)  # the mean lr of the 4 AdamW steps is the peak
     assert shared == (unit == "step")
+
+
+def test_truncated_importance_sampling_weights_each_tokens_gradient_by_min_ratio_cap():
+    """w = min(pi_old / mu, C) scales each token's policy-gradient term; the statistics report |log pi_old - log mu|."""
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.7]]).requires_grad_()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    advantages = torch.tensor([1.0, -1.0])
+    sampling = logp.detach() + torch.tensor([[0.5, -0.2, -2.0], [0.0, 1.0, 0.3]])   # log mu
+    plain = torch.autograd.grad(policy_loss(logp, logp.detach(), advantages, mask)[0], logp)[0]
+    loss, stats = policy_loss(logp, logp.detach(), advantages, mask, sampling_logp=sampling, is_cap=3.0)
+    corrected = torch.autograd.grad(loss, logp)[0]
+    weights = torch.exp(logp.detach() - sampling).clamp(max=3.0)                      # 2.0**... capped at 3 for -2
+    torch.testing.assert_close(corrected, plain * weights * mask)
+    gaps = (logp.detach() - sampling).abs()[mask.bool()]
+    assert stats["logprob_mismatch"] == pytest.approx(float(gaps.mean()))
+    assert stats["is_weight"] == pytest.approx(float(weights[mask.bool()].mean()))
+    # without the cap the sampler's log-probs are only measured: the loss is the plain one
+    unweighted, measured = policy_loss(logp, logp.detach(), advantages, mask, sampling_logp=sampling)
+    assert torch.equal(unweighted, policy_loss(logp, logp.detach(), advantages, mask)[0])
+    assert measured["is_weight"] == 1.0 and measured["logprob_mismatch"] == stats["logprob_mismatch"]
+
+
+def test_grpo_step_measures_the_samplers_logprobs_against_the_trainers(tiny_model):
+    """The sampler's token log-probs equal to the trainer's give a zero mismatch and unit weights; shifted by
+    0.1 each, a mismatch of 0.1."""
+    settings = GRPOSettings(2, bf16=False, temperature=1.0)
+    prompts, completions = GRPO_PROMPTS, COMPLETIONS
+    batch = pad_batch(prompts, completions)
+    with torch.no_grad():
+        trainer = token_logprobs(tiny_model, *batch)[0]
+    own = [trainer[i][batch[2][i]].tolist() for i in range(len(prompts))]
+    for shift, expected in ((0.0, 0.0), (0.1, 0.1)):
+        model = copy.deepcopy(tiny_model)
+        optimizer = make_optimizer(model, lr=1e-3)
+        sampled = [[lp - shift for lp in row] for row in own]
+        metrics = grpo_step(model, optimizer, cosine_schedule(optimizer, 1),
+                            Rollouts(prompts, completions, [1.0, 0.0, 0.0, 1.0], sampled),
+                            GRPOSettings(2, bf16=False, temperature=1.0, is_cap=2.0))
+        assert metrics["logprob_mismatch"] == pytest.approx(expected, abs=1e-5)
+        assert metrics["is_weight"] == pytest.approx(math.exp(shift), abs=1e-5)
+    with pytest.raises(ValueError, match="one log-prob per completion token"):
+        grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 1),
+                  Rollouts(prompts, completions, [1.0, 0.0, 0.0, 1.0], [row[:-1] for row in own]), settings)

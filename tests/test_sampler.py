@@ -4,6 +4,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from grpo import set_checkpointing
 from helpers import SMALL_PROMPTS, make_tiny_model, small_vocab_model, token_rows
 from sampler import cache_bytes_per_row, generate, nucleus, prefix_plan, sample_next
 
@@ -225,7 +226,7 @@ def test_string_prompts_are_tokenised_without_special_tokens(tokenizer):
 
 def test_generate_leaves_a_training_model_in_train_mode(tokenizer):
     model = make_tiny_model(len(tokenizer))
-    model.activation_checkpointing_enable()
+    set_checkpointing(model, True)
     model.train()
     eos = model.generation_config.eos_token_id
     for backend in ("kv", "hf"):
@@ -244,7 +245,7 @@ def test_other_architectures_fall_back_to_hf(tokenizer, capsys):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(backend="vllm"), "backend"),
+    (dict(backend="sglang"), "backend"),
     (dict(n=0), "n=0"),
     (dict(top_p=0), "top_p"),
     (dict(temperature=-1), "temperature"),

@@ -1,0 +1,81 @@
+"""The three sampling backends side by side, hf, kv and vllm, for both roles of a step, in one run:
+
+  policy    n rollouts of each of a few demo questions (the offline 0.5B policy, its chat prompt)
+  verifier  the verifier prompts of the sampler bench (the offline 1.5B verifier, problems x rollouts)
+
+Every backend samples the same prompts to the same length (ignore_eos), seeded; reported: start-up seconds
+(the first call: the engine's start and first weight load, the kv sampler's weight packing), then the timed
+call's seconds, seconds per prompt and generated tokens per second.
+
+    python -m bench.engine [--backends hf kv vllm] [--roles policy verifier] [--max-new-tokens 256]
+"""
+import argparse
+import json
+import os
+import time
+
+import torch
+
+from bench.sampler import verifier_bench_prompts
+from engine import vllm_installed
+from model import load_model
+from sampler import generate
+from t3rl import policy_prompt
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def role_inputs(role: str, questions: int, n: int):
+    """(model, tokenizer, token-id prompts, samples per prompt, frozen) of one role."""
+    if role == "policy":
+        model, tokenizer = load_model("embedded")  # float32 master weights, as the loop holds them
+        with open(os.path.join(REPO, "data", "demo.jsonl")) as fh:
+            records = [json.loads(line) for line in fh][:questions]
+        prompts = [tokenizer(policy_prompt(tokenizer, r["problem"]), add_special_tokens=False).input_ids for r in records]
+        return model, tokenizer, prompts, n, False
+    model, tokenizer = load_model("coder-1.5b")  # bfloat16, as the loop loads the verifier
+    return model, tokenizer, verifier_bench_prompts(tokenizer, questions, n), 1, True
+
+
+def bench_backend(backend, model, tokenizer, prompts, n, frozen, max_new_tokens) -> dict:
+    options = dict(n=n, temperature=0.6, top_p=0.95, seed=list(range(len(prompts))), ignore_eos=True,
+                   backend=backend, **({} if backend == "hf" else dict(dtype=torch.bfloat16)),
+                   **(dict(frozen=frozen) if backend != "hf" else {}))
+    started = time.perf_counter()
+    generate(model, tokenizer, prompts[:1], **{**options, "n": 1, "seed": [0], "max_new_tokens": 1})
+    startup = time.perf_counter() - started
+    if not frozen and backend != "hf":  # the policy moves between calls: an optimizer step's worth of change
+        with torch.no_grad():
+            next(model.parameters()).add_(0.0)
+        torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0).step()  # counted as a step by engine.py
+    started = time.perf_counter()
+    groups = generate(model, tokenizer, prompts, max_new_tokens=max_new_tokens, **options)
+    seconds = time.perf_counter() - started
+    tokens = sum(c.num_tokens for group in groups for c in group)
+    return dict(startup=startup, seconds=seconds, per_prompt=seconds / len(prompts) / n, tokens_per_s=tokens / seconds,
+                tokens=tokens)
+
+
+def main():
+    parser = argparse.ArgumentParser(description="hf, kv and vllm side by side on the policy's and the verifier's prompts")
+    parser.add_argument("--backends", nargs="+", default=["hf", "kv", "vllm"])
+    parser.add_argument("--roles", nargs="+", default=["policy", "verifier"])
+    parser.add_argument("--questions", type=int, default=4, help="demo questions (policy) / problems (verifier)")
+    parser.add_argument("--n", type=int, default=8, help="rollouts per question (policy) / per problem (verifier)")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    backends = [b for b in args.backends if b != "vllm" or vllm_installed()]
+    print(f"{torch.get_num_threads()} threads; backends {', '.join(backends)}; {args.questions} x {args.n} rows of "
+          f"{args.max_new_tokens} tokens per role; bfloat16 for kv and vllm, the model's dtype for hf")
+    print(f"{'role':<9} {'backend':<7} {'start s':>8} {'total s':>8} {'s/rollout':>9} {'tokens/s':>9}")
+    for role in args.roles:
+        model, tokenizer, prompts, n, frozen = role_inputs(role, args.questions, args.n)
+        for backend in backends:
+            r = bench_backend(backend, model, tokenizer, prompts, n, frozen, args.max_new_tokens)
+            print(f"{role:<9} {backend:<7} {r['startup']:>8.1f} {r['seconds']:>8.1f} {r['per_prompt']:>9.2f} "
+                  f"{r['tokens_per_s']:>9.1f}", flush=True)
+        del model
+
+
+if __name__ == "__main__":
+    main()

