@@ -123,6 +123,10 @@ class Engine:
             tokenizer.save_pretrained(folder)
             memory = (dict(gpu_memory_utilization=SETTINGS.gpu_memory_utilization, enable_sleep_mode=True) if gpu
                       else dict(kv_cache_memory_bytes=ENGINE_KV_CACHE_GIB << 30, enforce_eager=True))
+            if gpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                # each process's engine on its own GPU (LOCAL_RANK), as TRL's colocate mode starts it; vLLM's
+                # default in-process executor would put every process's engine on GPU 0
+                memory["distributed_executor_backend"] = "external_launcher"
             if not gpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 memory.pop("kv_cache_memory_bytes")
             self.llm = LLM(model=folder, load_format="dummy", dtype=str(dtype).removeprefix("torch."), seed=0,
