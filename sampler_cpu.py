@@ -44,14 +44,22 @@ class PackedLinear:
 _KEPT = weakref.WeakKeyDictionary()  # model -> (key, its parameters' storage and versions, weights)
 
 
-def kept_weights(model, key, make):
-    """make(), made once per (model, key) and reused while no parameter of the model has changed: every in-place
-    write to a tensor (an optimizer step, load_state_dict) bumps its version counter, and a move (.to())
-    gives new storage, so either makes a new copy."""
+def parameter_versions(model) -> tuple | None:
+    """The storage and version counter of every parameter: an in-place write (load_state_dict, an unfused
+    optimizer step) bumps a version and a move (.to()) gives new storage, so a change of either shows here.
+    None when a parameter is an inference tensor, which keeps no version counter."""
     parameters = list(model.parameters())
-    if any(p.is_inference() for p in parameters):  # inference tensors keep no version counter to check
+    if any(p.is_inference() for p in parameters):
+        return None
+    return tuple((p.data_ptr(), p._version) for p in parameters)
+
+
+def kept_weights(model, key, make):
+    """make(), made once per (model, key) and reused while parameter_versions(model) stays the same (always
+    made anew when it is None)."""
+    versions = parameter_versions(model)
+    if versions is None:
         return make()
-    versions = tuple((p.data_ptr(), p._version) for p in parameters)
     kept = _KEPT.get(model)
     if kept is None or kept[:2] != (key, versions):
         _KEPT.pop(model, None)  # free the old copy before making the new one

@@ -188,12 +188,13 @@ def copy_run(run: Path, dest: Path, final=True, upto=None) -> Path:
     return dest
 
 
-def make_tiny_model(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = True):
+def make_tiny_model(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = True, **shape):
+    """shape: Qwen2Config sizes that differ from the tiny default (hidden 64, 4 heads of 16, 2 key/value heads)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                         tie_word_embeddings=tie_word_embeddings, bos_token_id=151643, eos_token_id=151645,
-                         pad_token_id=151643)
+    sizes = {**dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2), **shape}
+    config = Qwen2Config(vocab_size=vocab_size, max_position_embeddings=2048, tie_word_embeddings=tie_word_embeddings,
+                         bos_token_id=151643, eos_token_id=151645, pad_token_id=151643, **sizes)
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).float().eval()
     return model

@@ -11,7 +11,7 @@ import torch
 import config
 import t3rl
 from grpo import GRPOSettings, Rollouts, cosine_schedule, grpo_step, make_optimizer, pad_batch, token_logprobs
-from helpers import QUESTIONS, interrupted_at_update, rows, tiny_argv, write_bench
+from helpers import QUESTIONS, interrupted_at_update, make_tiny_model, rows, tiny_argv, write_bench
 from sampler import generate
 from test_invariants import assert_trained_alike, train_like_one
 
@@ -29,15 +29,11 @@ def chat_prompts(tokenizer, questions=CHAT):
             for q in questions]
 
 
-def tiny_engine_model(vocab_size: int, seed: int = 0):
-    """A tiny random Qwen2 with head dimension 64 (vLLM's CPU attention takes 32, 64, 80, 96, 112, 128, 256),
-    its untied head scaled so that next-token distributions are peaked: float rounding cannot flip a token."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-    cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
-                      tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645, pad_token_id=151643)
-    torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(cfg).float().eval()
+def tiny_engine_model(vocab_size: int):
+    """The tiny Qwen2 with head dimension 64 (vLLM's CPU attention takes 32, 64, 80, 96, 112, 128, 256), its
+    untied head scaled so that next-token distributions are peaked: float rounding cannot flip a token."""
+    model = make_tiny_model(vocab_size, tie_word_embeddings=False, hidden_size=128, intermediate_size=256,
+                            num_attention_heads=2, num_key_value_heads=1)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     return model
@@ -64,11 +60,11 @@ def test_greedy_rows_equal_transformers_greedy_and_end_at_eos(policy):
                       dtype=torch.float32)
     reference = generate(model, tokenizer, prompts, n=1, max_new_tokens=32, temperature=0, backend="hf")
     eos = model.generation_config.eos_token_id
-    for group, (ref,) in zip(served, reference):
+    for prompt, group, (ref,) in zip(prompts, served, reference):
         assert [c.token_ids for c in group] == [ref.token_ids] * 2
         assert group[0].finish_reason == "eos" and group[0].token_ids[-1] == eos
         assert group[0].text == tokenizer.decode(ref.token_ids, skip_special_tokens=True)
-        assert group[0].prompt_ids == tokenizer(prompts[served.index(group)], add_special_tokens=False).input_ids
+        assert group[0].prompt_ids == tokenizer(prompt, add_special_tokens=False).input_ids
     assert "5" in served[1][0].text
 
 
