@@ -92,7 +92,12 @@ class Config:
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
     verifier_backend: str = option("auto", "verifier's sampler (auto: the policy's --backend)", ("auto", *BACKENDS))
-    sandbox_timeout: float = option(5.0, "seconds each verifier program may run", POSITIVE)
+    sandbox_timeout: float = option(5.0, "seconds each program (the verifier's, the agent's) may run", POSITIVE)
+    # TTRL-Agent (agent.py): the policy calls the interpreter itself
+    agent: bool = option(False, "agent rollouts: the policy may write ```python blocks, which run in the sandbox, "
+                         "their output appended before it goes on (TTRL-Agent: --agent --omega 1; with --study: "
+                         "agent rollouts beside the plain ones)")
+    agent_max_calls: int = option(4, "tool calls per agent rollout (a block after them is not run)", AT_LEAST_ONE)
     # optimisation (GRPO)
     lr: float = option(5e-7, "peak learning rate (AdamW, cosine schedule)", NON_NEGATIVE)
     lr_schedule_unit: str = option("step", "what the cosine schedule counts: step (once per training step, its AdamW "
@@ -340,6 +345,7 @@ def check_config(cfg: Config, source: str = ""):
 def free_run_name(cfg: Config) -> str:
     """bench-method-time, with a suffix when that folder already holds a run (two runs started in one second)."""
     method = "study" if cfg.study else "ttrl" if not cfg.verify or cfg.omega == 1 else f"t3rl-w{cfg.omega:g}"
+    method += "-agent" if cfg.agent else ""
     name = f"{cfg.bench}-{method}-{time.strftime('%Y%m%d-%H%M%S')}"
     suffix = 1
     while run_started(Path(cfg.out_dir) / (name if suffix == 1 else f"{name}-{suffix}")):

@@ -15,7 +15,7 @@ and a group whose rewards are all equal teaches nothing (A = 0). The update mini
     p_it   = min(p_it, -c A_i)                  where A_i < 0   (dual clip: c = clip_ratio_c, verl's 3)
     l_it   = w_it p_it + beta min(exp(d_it) - d_it - 1, 10)
     w_it   = min(pi_old(o_it | ...) / mu(o_it | ...), C)             (or 1: off, the default)
-    L      = AGG_{i,t} l_it                                      over valid response tokens t of o_i
+    L      = AGG_{i,t} l_it                  over the response tokens t of o_i that the policy sampled
 
 with B responses in the batch, |o_i| their lengths and AGG one of
 
@@ -32,6 +32,10 @@ include logprob_mismatch = mean |log pi_old - log mu| over tokens, whether w is 
 is verl's compute_policy_loss and kl_penalty term for term. pi is the distribution the rollouts were drawn
 from: softmax(logits / T) at the sampling temperature T (as verl computes it), so rho and the gradient
 belong to the policy that sampled.
+
+In an agent rollout (agent.py) the tool's output sits among the policy's tokens; it is context, not an action,
+so the response mask leaves it out of L, the entropy and the KL (Rollouts.tool_masks), and |o_i| counts the
+policy's tokens.
 
 Mini-batches (TTRL's ppo_mini_batch_size): a step's groups are cut, in order, into mini-batches of Q
 groups, and each takes one optimizer step on its own L (skipped, and counted, when its gradient norm is not
@@ -151,12 +155,18 @@ def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSett
 
 @dataclass
 class Rollouts:
-    """The rollouts an update trains on, group after group (M per question): token ids and rewards, and the
-    sampler's log-prob of each completion token when it reports them (the inference engine)."""
+    """The rollouts an update trains on, group after group (M per question): token ids and rewards, the sampler's
+    log-prob of each sampled completion token when it reports them (the inference engine), and which
+    completion tokens a tool appended (agent rollouts): those are context, not actions, and get no loss."""
     prompts: list[list[int]]
     completions: list[list[int]]
     rewards: list[float]
     sampling_logprobs: list[list[float]] | None = None
+    tool_masks: list[list[bool]] | None = None   # True at a tool's tokens (None: every token is the policy's)
+
+    def policy_tokens(self, i: int) -> int:
+        """How many of completion i's tokens the policy sampled."""
+        return len(self.completions[i]) - (sum(self.tool_masks[i]) if self.tool_masks else 0)
 
 
 # ----------------------------------------------------------------------------- pure tensor functions
@@ -348,9 +358,11 @@ def token_logprobs(model, input_ids, attention_mask, response_mask, temperature:
 
 # ----------------------------------------------------------------------------- batches
 
-def pad_batch(prompts, completions, device=None):
+def pad_batch(prompts, completions, device=None, tool_masks=None):
     """Right-padded (input_ids long, attention_mask long, response_mask bool), each [B, T], from lists of
-    prompt and completion token ids (T = longest prompt + completion; padding is masked out)."""
+    prompt and completion token ids (T = longest prompt + completion; padding is masked out). tool_masks: per
+    completion, True at the tokens a tool appended; the response mask leaves them out (they are read as
+    context, and no loss, entropy or KL is taken on them)."""
     if len(prompts) != len(completions):
         raise ValueError(f"pad_batch: {len(prompts)} prompts but {len(completions)} completions; pass one of each per rollout")
     for i, prompt in enumerate(prompts):
@@ -364,6 +376,8 @@ def pad_batch(prompts, completions, device=None):
         input_ids[i, :lengths[i]] = torch.tensor(list(prompt) + list(completion), dtype=torch.long)
         attention_mask[i, :lengths[i]] = 1
         response_mask[i, len(prompt):lengths[i]] = True
+        if tool_masks is not None and tool_masks[i] is not None:
+            response_mask[i, len(prompt):lengths[i]] &= ~torch.tensor(tool_masks[i], dtype=torch.bool)
     return input_ids.to(device), attention_mask.to(device), response_mask.to(device)
 
 
@@ -426,7 +440,7 @@ class MicroBatch:
     """Rollouts padded into one forward pass, with what the loss needs beside them."""
     input_ids: torch.Tensor                 # [b, T] long, right-padded prompt + completion
     attention_mask: torch.Tensor            # [b, T] long
-    response_mask: torch.Tensor             # [b, T] bool, the completion's tokens
+    response_mask: torch.Tensor             # [b, T] bool, the completion's tokens the policy sampled
     advantages: torch.Tensor                # [b] float32
     weight: float                           # its share of the mini-batch's loss normaliser (x processes)
     old_logp: torch.Tensor | None = None    # [b, T] log pi_old, when the policy has moved since sampling
@@ -438,9 +452,11 @@ def _check_step_arguments(batch: Rollouts, s: GRPOSettings, ref_model):
     if not len(batch.prompts) == len(batch.completions) == len(batch.rewards):
         raise ValueError(f"grpo_step: {len(batch.prompts)} prompts, {len(batch.completions)} completions and "
                          f"{len(batch.rewards)} rewards; pass one of each per rollout")
+    if batch.tool_masks is not None and [len(m) for m in batch.tool_masks] != [len(c) for c in batch.completions]:
+        raise ValueError("grpo_step: tool_masks needs one flag per completion token of every rollout")
     sampled = batch.sampling_logprobs
-    if sampled is not None and [len(x) for x in sampled] != [len(c) for c in batch.completions]:
-        raise ValueError("grpo_step: sampling_logprobs needs one log-prob per completion token of every rollout")
+    if sampled is not None and [len(x) for x in sampled] != [batch.policy_tokens(i) for i in range(len(sampled))]:
+        raise ValueError("grpo_step: sampling_logprobs needs one log-prob per completion token the policy sampled, for every rollout")
     if s.is_cap is not None and (sampled is None or s.is_cap < 1):
         raise ValueError(f"is_cap={s.is_cap}: truncated importance sampling needs the sampler's log-probs "
                          f"(sampling_logprobs) and a cap >= 1")
@@ -479,8 +495,8 @@ def _plan(batch: Rollouts, advantages, s: GRPOSettings, accelerator):
     groups = len(advantages) // group_size
     per_step = s.mini_batch_groups or groups
 
-    def size(index):  # a set of rollouts' part of L's normaliser: response tokens (token-mean) or sequences
-        return sum(len(completions[i]) for i in index) if s.agg == "token-mean" else len(index)
+    def size(index):  # a set of rollouts' part of L's normaliser: the policy's tokens (token-mean) or sequences
+        return sum(batch.policy_tokens(i) for i in index) if s.agg == "token-mean" else len(index)
 
     plan = []
     for first in range(0, groups, per_step):
@@ -495,12 +511,13 @@ def _plan(batch: Rollouts, advantages, s: GRPOSettings, accelerator):
         plan.append([])
         for index in micro_batches(lengths, s.token_budget):
             index = [mine[j] for j in index]
-            batch = pad_batch([prompts[i] for i in index], [completions[i] for i in index], advantages.device)
+            masks = None if batch.tool_masks is None else [batch.tool_masks[i] for i in index]
+            padded = pad_batch([prompts[i] for i in index], [completions[i] for i in index], advantages.device, masks)
             sampled = None
             if sampler_logprobs is not None:  # into the response positions, row-major as pad_batch laid them out
                 flat = torch.tensor([lp for i in index for lp in sampler_logprobs[i]], dtype=torch.float32)
-                sampled = torch.zeros(batch[2].shape).masked_scatter(batch[2].cpu(), flat).to(advantages.device)
-            plan[-1].append(MicroBatch(*batch, advantages[index], weight=size(index) * share, sampling_logp=sampled))
+                sampled = torch.zeros(padded[2].shape).masked_scatter(padded[2].cpu(), flat).to(advantages.device)
+            plan[-1].append(MicroBatch(*padded, advantages[index], weight=size(index) * share, sampling_logp=sampled))
     return plan
 
 

@@ -9,6 +9,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from agent import agent_monitors
 from domains import Domain, domain_of
 from files import read_jsonl_rows
 from voting import group_metrics, weighted_vote
@@ -46,6 +47,8 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
     stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
     stats["verifier_calls_saved"] = sum(res.inferred or res.status == "skipped" for res in results)
     stats["response_tokens"] = [c.num_tokens for c in group]
+    if any(c.tool_calls is not None for c in group):  # agent rollouts (--agent)
+        stats["agent"] = agent_monitors(group, answers)
     return stats
 
 
@@ -75,10 +78,27 @@ def step_metrics(step, per_question, update, seconds) -> dict:
     row["policy_tokens"] = sum(lengths)
     row["verifier_tokens"] = sum(q["verifier_tokens"] for q in per_question)
     row["verifier_calls_saved"] = sum(q["verifier_calls_saved"] for q in per_question)
+    agent = [q["agent"] for q in per_question if "agent" in q]
+    if agent:
+        row.update(agent_metrics(agent, len(lengths)))
     row.update({f"grpo/{key}": value for key, value in update.items()})
     for phase in seconds[0]:
         row[f"seconds/{phase}"] = max(s[phase] for s in seconds)
     return row
+
+
+def agent_metrics(per_question: list[dict], rollouts: int) -> dict:
+    """The step's tool use (agent rollouts): calls per rollout, the share of rollouts that call, their statuses,
+    the share whose final answer a call printed, and the tool's tokens per rollout (left out of the update)."""
+    total = lambda key: sum(q[key] for q in per_question)  # noqa: E731
+    statuses = {}
+    for q in per_question:
+        for status, count in q["tool_statuses"].items():
+            statuses[status] = statuses.get(status, 0) + count
+    n = max(rollouts, 1)
+    return {"agent/tool_calls_per_rollout": total("tool_calls") / n, "agent/calling_ratio": total("rollouts_calling") / n,
+            "agent/answer_from_tool_ratio": total("answer_from_tool") / n, "agent/tool_tokens_per_rollout": total("tool_tokens") / n,
+            "agent/tool_status": dict(sorted(statuses.items()))}
 
 
 def format_step(row: dict, total: int) -> str:
@@ -88,6 +108,12 @@ def format_step(row: dict, total: int) -> str:
     skipped = f" (skipped {skips:.0f}: gradient not finite)" if skips else ""
     # the engine's log-probs against the trainer's (--backend vllm): how far off-policy its rollouts are
     mismatch = f" lp-gap {row['grpo/logprob_mismatch']:.4f}" if "grpo/logprob_mismatch" in row else ""
+    agent = ""
+    if "agent/tool_calls_per_rollout" in row:  # --agent: how the policy used its tool
+        ok = row["agent/tool_status"].get("ok", 0) / max(sum(row["agent/tool_status"].values()), 1)
+        agent = (f" | tool {row['agent/tool_calls_per_rollout']:.2f}/rollout ({fmt(row['agent/calling_ratio'])} call,"
+                 f" ok {ok:.2f}) ans-from-tool {fmt(row['agent/answer_from_tool_ratio'])}"
+                 f" tool-tok {row['agent/tool_tokens_per_rollout']:.0f}")
     return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])} (maj {fmt(row['majority_label_accuracy'])})"
             f" reward {fmt(row['reward_accuracy'])} | maj-ratio {fmt(row['majority_ratio'])}"
             f" gt-ratio {fmt(row['ground_truth_ratio'])} | verified {fmt(row['verified_ratio'])}"
@@ -95,7 +121,7 @@ def format_step(row: dict, total: int) -> str:
             f" (+{row['flip_fixed'] * row['questions']:.0f}/-{row['flip_broke'] * row['questions']:.0f})"
             f" | len {row['response_length']:.0f} no-ans {fmt(row.get('no_answer_ratio'))} ent {fmt(row.get('grpo/entropy'))}"
             f" loss {row.get('grpo/loss', 0):+.4f} opt-steps {row.get('grpo/optimizer_steps', 0):.0f}"
-            f"{skipped} clip {row.get('grpo/clip_frac', 0):.4f}{mismatch} | {timing}")
+            f"{skipped} clip {row.get('grpo/clip_frac', 0):.4f}{mismatch}{agent} | {timing}")
 
 
 def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float) -> dict:

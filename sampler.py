@@ -67,9 +67,11 @@ end-of-sequence token (GRPO trains on it). `text` is the decoded completion with
 Both backends run under torch.inference_mode and leave the model's mode (train / eval) as they found it.
 """
 import functools
+import hashlib
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +96,10 @@ class Completion:
     # each drawn token's log-probability as the engine sampled it ("vllm" at temperature > 0): what GRPO compares
     # with the trainer's (the rollout / training mismatch)
     token_logprobs: list[float] | None = None
+    # with tools (agent.py): True at the tokens a tool appended (not sampled: the update masks them out), and the
+    # calls made, in order
+    tool_mask: list[bool] | None = None
+    tool_calls: list | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -103,7 +109,7 @@ class Completion:
 def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperature: float = 0.6,
              top_p: float = 0.95, seed: int | list[int] | None = None, backend: str = "kv", ignore_eos: bool = False,
              dtype: torch.dtype | None = None, memory_budget: int | None = None, compile: bool = False,
-             progress: str | None = None, frozen: bool = False):
+             progress: str | None = None, frozen: bool = False, tools=None):
     """n completions for each prompt: a list (one entry per prompt) of lists of n Completions.
 
     prompts: list of strings (needs `tokenizer`) or of token-id lists. temperature 0 is greedy decoding.
@@ -119,6 +125,11 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
     does not train, e.g. a verifier: its weights' sampling copy, cast, stacked and packed, is made on the first
     call and kept for the next ones, until a parameter changes; "vllm" loads its weights into the engine once;
     "hf" has no copy to keep).
+    tools: tool calls inside the completions (agent.Interpreter: triggers, max_calls, block_ends, run). A row
+    whose token is a trigger and whose tokens since its last tool output close a block (block_ends) stops
+    there; the blocks closed at one step run together (run), each output's tokens are appended to its row,
+    which samples on, up to max_calls calls and max_new_tokens tokens in all (tool tokens count). "kv" appends
+    them to the row's cache; "hf" and "vllm" sample the row on from its whole context.
     """
     _check_arguments(backend, n, max_new_tokens, temperature, top_p,
                      kv_only=memory_budget is not None or compile or (backend == "hf" and dtype is not None))
@@ -135,21 +146,28 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
     with torch.inference_mode():
         if backend == "vllm":
             from engine import engine_for
-            rows = engine_for(model, tokenizer, dtype).generate(model, prompt_ids, n, sampling, prompt_seeds, eos_ids,
-                                                                frozen)
+            engine = engine_for(model, tokenizer, dtype)
+            if tools:
+                rows = sample_with_tools(partial(engine.continue_rows, model, eos_ids=eos_ids, frozen=frozen),
+                                         prompt_ids, n, sampling, prompt_seeds, tools)
+            else:
+                rows = engine.generate(model, prompt_ids, n, sampling, prompt_seeds, eos_ids, frozen)
         elif backend == "kv":
             rows = _generate_kv(model, prompt_ids, n, sampling, prompt_seeds=prompt_seeds, eos_ids=eos_ids,
                                 dtype=dtype, memory_budget=memory_budget, compile=compile, progress=progress,
-                                frozen=frozen)
+                                frozen=frozen, tools=tools)
+        elif tools:
+            rows = sample_with_tools(partial(_continue_rows_hf, model, tokenizer, eos_ids=eos_ids, tools=tools),
+                                     prompt_ids, n, sampling, prompt_seeds, tools)
         else:
             rows = _generate_hf(model, tokenizer, prompt_ids, n, sampling,
                                 seed if isinstance(seed, int) else prompt_seeds, eos_ids, ignore_eos)
     completions = []
     for p, ids in enumerate(prompt_ids):
         group = []
-        for tokens, reason, logprob, *token_logprobs in rows[p * n:(p + 1) * n]:
+        for tokens, reason, *rest in rows[p * n:(p + 1) * n]:  # rest: logprob, token_logprobs, tool_mask, tool_calls
             text = None if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
-            group.append(Completion(ids, tokens, text, reason, logprob, *token_logprobs))
+            group.append(Completion(ids, tokens, text, reason, *rest))
         completions.append(group)
     return completions
 
@@ -216,12 +234,13 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 # --------------------------------------------------------------------------- hf: the reference
 
-def _generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed, eos_ids, ignore_eos):
+def _generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed, eos_ids, ignore_eos, stopping=()):
     """transformers generate on the left-padded batch; returns (token_ids, finish_reason, None) per row.
 
     seed: an int seeds the one batched call; a list (one per prompt) runs one call per prompt, each seeded.
+    stopping: transformers StoppingCriteria for the call.
     """
-    from transformers import GenerationConfig
+    from transformers import GenerationConfig, StoppingCriteriaList
     if isinstance(seed, list):
         return [row for ids, prompt_seed in zip(prompt_ids, seed)
                 for row in _generate_hf(model, tokenizer, [ids], n, sampling, prompt_seed, eos_ids, ignore_eos)]
@@ -247,7 +266,8 @@ def _generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed, eos_
             model.generation_config.eos_token_id = None
         with torch.random.fork_rng(devices=devices):
             torch.manual_seed(seed)
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config)
+            out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                                 stopping_criteria=StoppingCriteriaList(stopping))
     finally:
         model.train(was_training)
         model.generation_config.eos_token_id = model_eos
@@ -257,6 +277,78 @@ def _generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed, eos_
         kept, reason = (tokens, "length") if stop is None else (tokens[:stop + 1], "eos")
         rows += [(list(kept), reason, None) for _ in range(repeats)]
     return rows
+
+
+# --------------------------------------------------------------------------- tools, for backends that re-read a row
+
+def sample_with_tools(continue_rows, prompt_ids, n, sampling: Sampling, prompt_seeds, tools):
+    """Rows with tool calls, in rounds, for backends that cannot append to a row's cache ("hf", "vllm"): a round
+    samples every open row on from its whole context (prompt, its tokens, the outputs appended) until it ends
+    or may have closed a block (continue_rows: contexts, token budgets, seeds, may-stop flags, sampling ->
+    (new tokens, "eos" | "length" | "stop", their log-probs or None) per row); then the blocks closed run
+    together, their outputs are appended and those rows stay open. Returns generate's rows with tool fields."""
+    rows = [dict(context=list(prompt_ids[r // n]), tokens=[], mask=[], calls=[], logprobs=[], segment=0,
+                 reason="length") for r in range(len(prompt_ids) * n)]
+    open_rows, round_ = list(range(len(rows))), 0
+    while open_rows:
+        budgets = [sampling.max_new_tokens - len(rows[r]["tokens"]) for r in open_rows]
+        seeds = [row_seed(prompt_seeds[r // n], r % n, round_) for r in open_rows]
+        may_stop = [len(rows[r]["calls"]) < tools.max_calls for r in open_rows]
+        blocks = []  # (row, code, segment)
+        for r, (new, reason, logprobs) in zip(open_rows, continue_rows([rows[r]["context"] for r in open_rows],
+                                                                       budgets, seeds, may_stop, sampling)):
+            row = rows[r]
+            row["context"] += new
+            row["tokens"] += new
+            row["mask"] += [False] * len(new)
+            row["logprobs"] = None if logprobs is None or row["logprobs"] is None else row["logprobs"] + logprobs
+            row["reason"] = reason
+            segment = row["tokens"][row["segment"]:]
+            if reason == "stop" and (code := tools.block_ends(segment)) is not None:
+                blocks.append((r, code, segment))
+        for (r, _, _), call in zip(blocks, tools.run([b[1] for b in blocks], [b[2] for b in blocks]) if blocks else []):
+            row = rows[r]
+            ids = call.token_ids[:sampling.max_new_tokens - len(row["tokens"])]
+            row["context"] += ids
+            row["tokens"] += ids
+            row["mask"] += [True] * len(ids)
+            row["calls"].append(call)
+            row["segment"] = len(row["tokens"])
+        open_rows = [r for r in open_rows if rows[r]["reason"] == "stop"
+                     and len(rows[r]["tokens"]) < sampling.max_new_tokens]
+        round_ += 1
+    return [(row["tokens"], "length" if row["reason"] == "stop" else row["reason"],
+             None if row["logprobs"] is None else sum(row["logprobs"]), row["logprobs"], row["mask"], row["calls"])
+            for row in rows]
+
+
+def row_seed(prompt_seed: int, index: int, round_: int) -> int:
+    """The seed of round `round_` of a prompt's row `index`: a function of the three alone."""
+    digest = hashlib.blake2b(f"{prompt_seed}|{index}|{round_}".encode(), digest_size=7).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _continue_rows_hf(model, tokenizer, contexts, budgets, seeds, may_stop, sampling: Sampling, *, eos_ids, tools):
+    """sample_with_tools' continue_rows on transformers generate: one call per row, stopped by a criterion once
+    the tokens of this call close a block."""
+    from transformers import StoppingCriteria
+
+    class BlockClosed(StoppingCriteria):
+        def __init__(self, prompt_length):
+            self.prompt_length, self.fired = prompt_length, False
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.fired = (int(input_ids[0, -1]) in tools.triggers
+                          and tools.block_ends(input_ids[0, self.prompt_length:].tolist()) is not None)
+            return torch.full((len(input_ids),), self.fired, dtype=torch.bool, device=input_ids.device)
+
+    results = []
+    for context, budget, seed, stop in zip(contexts, budgets, seeds, may_stop):
+        criterion = BlockClosed(len(context))
+        (tokens, reason, _), = _generate_hf(model, tokenizer, [context], 1, Sampling(budget, sampling.temperature,
+                                            sampling.top_p), seed, eos_ids, not eos_ids, [criterion] if stop else [])
+        results.append((tokens, "stop" if criterion.fired else reason, None))
+    return results
 
 
 # --------------------------------------------------------------------------- kv: the hand-written sampler
@@ -418,7 +510,7 @@ def forward(w: Weights, tokens, positions, columns, cache: KVCache, mask, rotary
     each row's token `last` (rows,) (default: the last one).
 
     positions (rows, T) index the rotary tables rotary = (cos, sin), each (length, head dim). Keys and values of
-    the T tokens are written into cache columns `columns` (T,); attention reads cache columns
+    the T tokens are written into cache columns `columns`, (T,) in every row or (rows, T); attention reads cache columns
     [0, mask.shape[-1]) where `mask` (rows, 1, T, that width) is True.
     """
     rows, T = tokens.shape
@@ -431,8 +523,8 @@ def forward(w: Weights, tokens, positions, columns, cache: KVCache, mask, rotary
         q = q.reshape(rows, T, w.n_heads, w.head_dim).transpose(1, 2)
         k = k.reshape(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
         v = v.reshape(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
-        cache.k[i].index_copy_(2, columns, rotate(k, cos, sin))
-        cache.v[i].index_copy_(2, columns, v)
+        write_columns(cache.k[i], columns, rotate(k, cos, sin))
+        write_columns(cache.v[i], columns, v)
         attn = attention(rotate(q, cos, sin), cache.k[i, :, :, :width], cache.v[i, :, :, :width], mask)
         x = x + layer.o(attn.transpose(1, 2).reshape(rows, T, -1))
         h = rms_norm(x, layer.post_norm, w.eps)
@@ -440,6 +532,15 @@ def forward(w: Weights, tokens, positions, columns, cache: KVCache, mask, rotary
         x = x + layer.down(F.silu(gate) * up)
     x = x[:, -1] if last is None else x[torch.arange(rows, device=x.device), last]
     return w.head(rms_norm(x, w.norm, w.eps))
+
+
+def write_columns(cache_layer, columns, x):
+    """x (rows, kv heads, T, head dim) into cache_layer (rows, kv heads, columns, head dim) at `columns`: the same
+    T columns in every row, or (rows, T) columns of each row's own."""
+    if columns.dim() == 1:
+        cache_layer.index_copy_(2, columns, x)
+    else:
+        cache_layer[torch.arange(len(x), device=x.device)[:, None], :, columns] = x.transpose(1, 2)
 
 
 @functools.cache
@@ -514,7 +615,7 @@ def cache_bytes_per_row(model, length: int, dtype) -> int:
 
 
 def _generate_kv(model, prompt_ids, n, sampling: Sampling, *, prompt_seeds, eos_ids, dtype, memory_budget,
-                 compile, progress, frozen):
+                 compile, progress, frozen, tools=None):
     device = next(model.parameters()).device
     dtype = dtype or next(model.parameters()).dtype
     longest = max(map(len, prompt_ids))
@@ -542,7 +643,7 @@ def _generate_kv(model, prompt_ids, n, sampling: Sampling, *, prompt_seeds, eos_
         if sampling.temperature > 0:
             uniforms = row_uniforms(prompt_seeds, n, sampling.max_new_tokens, start, stop).to(device)
         label = progress and (progress if stop - start == n_rows else f"{progress} (rows {start}-{stop - 1})")
-        rows += _decode_wave(run, wave, sampling, uniforms, progress=label)
+        rows += _decode_wave(run, wave, sampling, uniforms, progress=label, tools=tools)
     return rows
 
 
@@ -684,28 +785,39 @@ def _prefill_chunk(run: Run, cache: KVCache, jobs, width: int, logits):
 
 @dataclass
 class Batch:
-    """The rows still sampling: batch row b is wave row rows[b], whose prompt starts at cache column start[b]."""
-    rows: torch.Tensor   # (b,)
-    start: torch.Tensor  # (b,)
-    alive: torch.Tensor  # (b,) bool: has not drawn an end-of-sequence token yet
-    first_column: int    # min(start): no row of the batch attends to a column before it
+    """The rows still sampling: batch row b is wave row rows[b], whose prompt starts at cache column start[b] and
+    whose next token goes into column columns[b] (the same column in every row until a tool's output is
+    appended to one: aligned)."""
+    rows: torch.Tensor     # (b,)
+    start: torch.Tensor    # (b,)
+    alive: torch.Tensor    # (b,) bool: has not finished yet
+    first_column: int      # min(start): no row of the batch attends to a column before it
+    columns: torch.Tensor  # (b,)
+    aligned: bool = True
+
+    def select(self, keep):
+        start = self.start[keep]
+        return Batch(self.rows[keep], start, self.alive[keep], int(start.min()), self.columns[keep], self.aligned)
 
 
-def _decode_wave(run: Run, prompts, sampling: Sampling, uniforms, *, progress=None):
+def _decode_wave(run: Run, prompts, sampling: Sampling, uniforms, *, progress=None, tools=None):
     """Sample every row of one wave: prompts[r] is row r's prompt (rows may share one), and row r draws its
-    token j with uniforms[r, j] (None when greedy). Returns (token_ids, finish_reason, logprob) per row."""
+    token j with uniforms[r, j] (None when greedy). Returns (token_ids, finish_reason, logprob) per row, and
+    with `tools` (generate's) also (None, tool_mask, tool_calls)."""
     n_rows, steps = len(prompts), sampling.max_new_tokens
-    width = max(map(len, prompts))  # prompts end at column `width`; completion token j sits in column width + j
+    width = max(map(len, prompts))  # prompts end at column `width`; a row's completion token t sits in column width + t
+    last_column = width + steps - 1
     cache = KVCache.zeros(run.w, n_rows, width + steps, run.dtype, run.device)
     logits = torch.empty(n_rows, run.w.head.out_features, dtype=torch.float32, device=run.device)  # the step's logits
     probs = torch.empty_like(logits)                                                      # their probabilities
     prefill(run, cache, prompts, width, logits)
     start = width - torch.tensor([len(p) for p in prompts], device=run.device)
-    batch = Batch(torch.arange(n_rows, device=run.device), start,
-                  torch.ones(n_rows, dtype=torch.bool, device=run.device), int(start.min()))
+    batch = Batch(torch.arange(n_rows, device=run.device), start, torch.ones(n_rows, dtype=torch.bool, device=run.device),
+                  int(start.min()), torch.full((n_rows,), width, device=run.device))
     out = torch.empty(n_rows, steps, dtype=torch.long, device=run.device)
-    ends, reasons = [steps] * n_rows, ["length"] * n_rows  # tokens kept per row, why it stopped
+    ends, reasons = [steps] * n_rows, ["length"] * n_rows  # sampled tokens kept per row, why it stopped
     logprobs = torch.zeros(n_rows, dtype=torch.float32, device=run.device)  # sum of log pi_T(drawn token) per row
+    calls = tools and ToolRows(tools, n_rows, run.device)
     bar = tqdm(total=steps, desc=progress, unit="tok", leave=False, disable=not progress)
     for j in range(steps):
         b = len(batch.rows)
@@ -719,46 +831,111 @@ def _decode_wave(run: Run, prompts, sampling: Sampling, uniforms, *, progress=No
         bar.set_postfix(rows=b, refresh=False)
         if j == steps - 1:
             break
-        if len(run.eos):
-            batch, tokens = _finish_rows(cache, batch, tokens, run.eos, step=j, ends=ends, reasons=reasons)
+        full = batch.columns >= last_column  # the row's token budget is spent (tool output counts in it)
+        made = calls.run(batch, tokens, out, j, room=~full) if calls else []  # [(wave row, ToolCall)]
+        if len(run.eos) or calls:
+            batch, tokens = _finish_rows(cache, batch, tokens, run.eos, full, step=j, ends=ends, reasons=reasons)
             if batch is None:
                 break
         logits[:len(batch.rows)] = decode_one_token(run, cache, batch, tokens, width + j)
+        batch.columns = (batch.columns + 1).clamp(max=last_column)  # a finished row's writes are never read
+        for row, call in made:
+            calls.append(run, cache, batch, row, call, logits, width + steps, step=j, ends=ends)
     bar.close()
     out = out.tolist()
     logprobs = logprobs.tolist() if uniforms is not None else [None] * n_rows
+    if calls:
+        return [calls.completion(row, out[row][:ends[row]], reasons[row], logprobs[row]) for row in range(n_rows)]
     return [(out[row][:ends[row]], reasons[row], logprobs[row]) for row in range(n_rows)]
 
 
-def _finish_rows(cache: KVCache, batch: Batch, tokens, eos, *, step: int, ends, reasons):
-    """Rows that drew an end-of-sequence token at `step` finish (ends, reasons record it); once
-    COMPACT_WHEN_FINISHED of the batch has, the live rows move to the front of the cache and the batch
+def _finish_rows(cache: KVCache, batch: Batch, tokens, eos, full, *, step: int, ends, reasons):
+    """Rows that drew an end-of-sequence token at `step`, or whose budget is `full`, finish (ends, reasons record
+    it); once COMPACT_WHEN_FINISHED of the batch has, the live rows move to the front of the cache and the batch
     shrinks. Returns the batch (None when no row is left) and its rows' tokens."""
-    stopped = batch.alive & torch.isin(tokens, eos)
-    for row in batch.rows[stopped].tolist():
+    eos_drawn = batch.alive & torch.isin(tokens, eos)
+    for row in batch.rows[eos_drawn].tolist():
         ends[row], reasons[row] = step + 1, "eos"
-    alive = batch.alive & ~stopped
-    live = int(alive.sum())
+    for row in batch.rows[batch.alive & full & ~eos_drawn].tolist():
+        ends[row] = step + 1
+    batch.alive = batch.alive & ~eos_drawn & ~full
+    live = int(batch.alive.sum())
     if live == 0:
         return None, tokens
-    if len(alive) - live < max(1, COMPACT_WHEN_FINISHED * len(alive)):
-        return Batch(batch.rows, batch.start, alive, batch.first_column), tokens
-    keep = alive.nonzero().squeeze(1)
+    if len(batch.alive) - live < max(1, COMPACT_WHEN_FINISHED * len(batch.alive)):
+        return batch, tokens
+    keep = batch.alive.nonzero().squeeze(1)
     for i in range(len(cache.k)):  # layer by layer: the gather's temporary stays one layer large
         cache.k[i, :live] = cache.k[i, keep]
         cache.v[i, :live] = cache.v[i, keep]
-    start = batch.start[keep]
-    return Batch(batch.rows[keep], start, alive[keep], int(start.min())), tokens[keep]
+    return batch.select(keep), tokens[keep]
+
+
+class ToolRows:
+    """A wave's tool calls (generate's `tools`): the rows that closed a block, their outputs appended to their
+    cache rows (one forward over the output's tokens: the row keeps its cache, nothing is prefilled again), and
+    each row's completion with its tool tokens marked."""
+
+    def __init__(self, tools, n_rows: int, device):
+        self.tools = tools
+        self.triggers = torch.tensor(sorted(tools.triggers), dtype=torch.long, device=device)
+        self.made = [[] for _ in range(n_rows)]   # per wave row: (step, appended ids, ToolCall), in order
+        self.segment = [0] * n_rows               # per wave row: its first step after its last output
+
+    def run(self, batch: Batch, tokens, out, step: int, room) -> list:
+        """The blocks that the tokens of `step` close, in live rows with calls and budget left, run together."""
+        maybe = batch.alive & room & torch.isin(tokens, self.triggers)
+        codes, segments, rows = [], [], []
+        for row in batch.rows[maybe].tolist():
+            if len(self.made[row]) < self.tools.max_calls:
+                segment = out[row, self.segment[row]:step + 1].tolist()
+                code = self.tools.block_ends(segment)
+                if code is not None:
+                    codes.append(code), segments.append(segment), rows.append(row)
+        return list(zip(rows, self.tools.run(codes, segments))) if codes else []
+
+    def append(self, run: Run, cache: KVCache, batch: Batch, row: int, call, logits, limit: int, *, step: int, ends):
+        """Wave row `row`'s tool output into its cache row from its next column on, cut to fit the cache (limit:
+        its width); the row's logits become those after the output. A row the output fills finishes."""
+        b = batch.rows.tolist().index(row)
+        column, first = int(batch.columns[b]), int(batch.start[b])
+        ids = call.token_ids[:limit - column]
+        self.made[row].append((step, ids, call))
+        self.segment[row] = step + 1
+        t = torch.arange(len(ids), device=logits.device)
+        keys = torch.arange(column + len(ids), device=logits.device)
+        mask = ((keys >= first) & (keys <= column + t[:, None]))[None, None]        # (1, 1, L, columns)
+        one_row = KVCache(cache.k[:, b:b + 1], cache.v[:, b:b + 1])
+        logits[b] = forward(run.w, torch.tensor([ids], device=logits.device), (column - first + t)[None],
+                            column + t, one_row, mask, run.rotary)[0].float()
+        batch.columns[b] = column + len(ids)
+        batch.aligned = False
+        if column + len(ids) >= limit:
+            batch.alive[b] = False
+            ends[row] = step + 1
+
+    def completion(self, row: int, sampled: list[int], reason: str, logprob):
+        """(token_ids, finish_reason, logprob, None, tool_mask, tool_calls): the outputs between the sampled tokens."""
+        tokens, mask, last = [], [], 0
+        for step, ids, _ in self.made[row]:
+            tokens += sampled[last:step + 1] + ids
+            mask += [False] * (step + 1 - last) + [True] * len(ids)
+            last = step + 1
+        tokens += sampled[last:]
+        mask += [False] * (len(sampled) - last)
+        return tokens, reason, logprob, None, mask, [call for _, _, call in self.made[row]]
 
 
 def decode_one_token(run: Run, cache: KVCache, batch: Batch, tokens, column: int):
     """Logits (rows, vocab) of the token after `tokens` (rows,), whose keys and values go into cache column
-    `column`. Attention reads the whole cache, masked, or with run.windowed only the columns from the batch's
-    first prompt column to `column` (the padding before it, which no row attends to, is skipped)."""
-    lo, hi = (batch.first_column, column + 1) if run.windowed else (0, cache.k.shape[3])
+    `column` of every row, or, once a tool's output has been appended to a row (not batch.aligned), into each
+    row's batch.columns. Attention reads the whole cache, masked, or with run.windowed only the columns from
+    the batch's first prompt column to the last written (the padding before it, which no row attends to, is
+    skipped)."""
+    last = column if batch.aligned else int(batch.columns.max())
+    lo, hi = (batch.first_column, last + 1) if run.windowed else (0, cache.k.shape[3])
     seen = torch.arange(lo, hi, device=run.device)
-    mask = ((seen >= batch.start[:, None]) & (seen <= column))[:, None, None, :]  # (rows, 1, 1, columns seen)
-    at = torch.tensor([column - lo], device=run.device)
-    return run.step(run.w, tokens[:, None], (column - batch.start)[:, None], at, cache.window(len(batch.rows), lo),
-                    mask, run.rotary)
-
+    mask = ((seen >= batch.start[:, None]) & (seen <= batch.columns[:, None]))[:, None, None, :]  # (rows, 1, 1, seen)
+    at = torch.tensor([column - lo], device=run.device) if batch.aligned else (batch.columns - lo)[:, None]
+    return run.step(run.w, tokens[:, None], (batch.columns - batch.start)[:, None], at,
+                    cache.window(len(batch.rows), lo), mask, run.rotary)

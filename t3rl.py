@@ -33,6 +33,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
+from agent import TOOL_INSTRUCTION, Interpreter
 from benchmarks import load_bench
 from config import Config, OptionError, has_gpu, parse_command, sample_dtype, sampler_options, verifier_backend
 from domains import MATH_INSTRUCTION, domain_of
@@ -60,8 +61,8 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
     shard = questions[accelerator.process_index::accelerator.num_processes]
     with clock("sample"):  # 1. y_1..y_N ~ pi_theta(. | q) and their final answers a_i (None: states none)
         seeds = [question_seed(cfg.seed, step, rec["id"], "rollout") for rec in shard]
-        groups = sample_groups(accelerator.unwrap_model(learner.policy), learner.tokenizer, shard, cfg,
-                               cfg.n_votes, temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds)  # [q][N]
+        groups = sample_groups(accelerator.unwrap_model(learner.policy), learner.tokenizer, shard, cfg, cfg.n_votes,
+                               temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds, tools=learner.tools)  # [q][N]
         answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, groups)]
     with clock("verify"):  # 2. v_i = 1 when the verifier's program, run in the sandbox, reproduces a_i
         verdicts = verify_groups(shard, groups, answers, learner.verifier, learner.pool, cfg)  # [q][N]
@@ -98,6 +99,7 @@ class Learner:
     run_dir: Path
     grpo: GRPOSettings                   # the update's settings, from cfg
     ref_model: torch.nn.Module | None = None   # the starting policy, for the KL term (kl_coef > 0)
+    tools: Interpreter | None = None           # --agent: the policy's own Python tool (agent.py)
 
 
 @dataclass
@@ -131,16 +133,22 @@ def question_seed(seed: int, step: int, qid: str, purpose: str) -> int:
 
 
 def sample_groups(policy, tokenizer, records, cfg: Config, n: int, *, temperature: float, top_p: float, seeds,
-                  progress: str = "rollout"):
+                  progress: str = "rollout", tools: Interpreter | None = None):
     """n completions per record, in one batched sampler call. seeds: one per record, so that what a question
-    gets does not depend on which process or batch it lands in (None: greedy). No records (a process without a
-    question this step): no completions."""
+    gets does not depend on which process or batch it lands in (None: greedy). tools: agent rollouts, whose
+    instruction offers the tool. No records (a process without a question this step): no completions."""
     if not records:
         return []
-    instruction = domain_of(cfg.bench).instruction
-    prompts = [policy_prompt(tokenizer, rec["problem"], instruction) for rec in records]
+    prompts = [policy_prompt(tokenizer, rec["problem"], instruction_of(cfg, agent=tools is not None))
+               for rec in records]
     return generate(policy, tokenizer, prompts, n=n, max_new_tokens=cfg.max_new_tokens, temperature=temperature,
-                    top_p=top_p, seed=seeds if temperature > 0 else None, **sampler_options(cfg), progress=progress)
+                    top_p=top_p, seed=seeds if temperature > 0 else None, **sampler_options(cfg), progress=progress,
+                    tools=tools)
+
+
+def instruction_of(cfg: Config, agent: bool) -> str:
+    """The policy's system prompt: its domain's, and with the tool the sentence that offers it."""
+    return domain_of(cfg.bench).instruction + (TOOL_INSTRUCTION if agent else "")
 
 
 def verify_groups(records, groups, answers, verifier, pool, cfg: Config):
@@ -162,13 +170,15 @@ def gather_kept(shard, groups, votes, accelerator) -> Rollouts:
     weights do not depend on how the questions were split over processes."""
     rank, processes = accelerator.process_index, accelerator.num_processes
     positions = range(rank, rank + len(shard) * processes, processes)
-    mine = [(position, [(group[i].prompt_ids, group[i].token_ids, vote.rewards[i], group[i].token_logprobs)
-                        for i in vote.keep])
+    mine = [(position, [(group[i].prompt_ids, group[i].token_ids, vote.rewards[i], group[i].token_logprobs,
+                         group[i].tool_mask) for i in vote.keep])
             for position, group, vote in zip(positions, groups, votes)]
     rollouts = [r for _, kept in sorted(gather_object(mine), key=lambda question: question[0]) for r in kept]
-    prompts, completions, rewards, sampled = (list(column) for column in zip(*rollouts))
-    # the sampler's token log-probs (the engine reports them) for the update's mismatch statistics
-    return Rollouts(prompts, completions, rewards, sampled if all(lp is not None for lp in sampled) else None)
+    prompts, completions, rewards, sampled, tool_masks = (list(column) for column in zip(*rollouts))
+    # the sampler's token log-probs (the engine reports them) for the update's mismatch statistics; the tool's
+    # tokens of agent rollouts, which the update leaves out
+    return Rollouts(prompts, completions, rewards, sampled if all(lp is not None for lp in sampled) else None,
+                    tool_masks if any(m is not None for m in tool_masks) else None)
 
 
 def log_rollouts(step, shard, groups, answers, verdicts, votes, learner: Learner):
@@ -179,28 +189,38 @@ def log_rollouts(step, shard, groups, answers, verdicts, votes, learner: Learner
             rows.append({"step": step, "id": rec["id"], "index": i, "text": c.text, "answer": ans[i], "v": vote.v[i],
                          "result": res and res.result, "status": res and res.status,
                          "reward": vote.rewards[i], "label": vote.label, "kept": i in vote.keep,
-                         "program": res and res.code})
+                         "program": res and res.code, **tool_calls_row(c)})
     rows = gather_object(rows)
     if learner.accelerator.is_main_process:
         append_jsonl(learner.run_dir / "rollouts.jsonl", rows)
 
 
+def tool_calls_row(completion) -> dict:
+    """An agent rollout's calls for rollouts.jsonl (nothing for a rollout sampled without the tool)."""
+    if completion.tool_calls is None:
+        return {}
+    return {"tool_calls": [{"code": call.code, "status": call.status, "output": call.output}
+                           for call in completion.tool_calls]}
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Evaluation (ground truth is used here, and only here and in the monitors of metrics.py)
 
-def evaluate(policy, tokenizer, records, cfg: Config, accelerator, verifier, pool) -> dict:
+def evaluate(policy, tokenizer, records, cfg: Config, accelerator, verifier, pool, tools=None) -> dict:
     """greedy@1 (greedy decoding) and, with k = eval_samples, the papers' Pass@1: avg@k, the mean accuracy of k
     sampled runs at the evaluation's own temperature and top-p, run j seeded as a single run with seed + j
     (so avg@k is the mean of k single runs), with avg@k_std, the std of the k runs' accuracies; maj@k and,
     when verifying, verified_maj@k (T3RL's vote used at inference on the same k samples); and the share of
-    rollouts that state no answer (greedy_no_answer, no_answer@k)."""
+    rollouts that state no answer (greedy_no_answer, no_answer@k). An agent policy (tools) is evaluated with
+    its tool."""
     shard = records[accelerator.process_index::accelerator.num_processes]
     unwrapped, dom, k = accelerator.unwrap_model(policy), domain_of(cfg.bench, cfg.answer_rule), cfg.eval_samples
-    greedy = sample_groups(unwrapped, tokenizer, shard, cfg, 1, temperature=0.0, top_p=1.0, seeds=None, progress="greedy")
+    greedy = sample_groups(unwrapped, tokenizer, shard, cfg, 1, temperature=0.0, top_p=1.0, seeds=None,
+                           progress="greedy", tools=tools)
     runs = [rec for _ in range(k) for rec in shard]  # run-major: run j is the j-th block of len(shard) rows
     seeds = [question_seed(cfg.seed + j, -1, rec["id"], "eval") for j in range(k) for rec in shard]
     flat = sample_groups(unwrapped, tokenizer, runs, cfg, 1, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
-                         seeds=seeds, progress="eval")
+                         seeds=seeds, progress="eval", tools=tools)
     sampled = [[flat[j * len(shard) + i][0] for j in range(k)] for i in range(len(shard))]  # [q][k]
     answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, sampled)]
     verdicts = verify_groups(shard, sampled, answers, verifier, pool, cfg) if k and verifier else [None] * len(shard)
@@ -212,7 +232,7 @@ def evaluate(policy, tokenizer, records, cfg: Config, accelerator, verifier, poo
 def log_evaluation(learner: Learner, records: list[dict], step: int, log, final: bool = False):
     """Evaluate the policy, log the row (the final one with each accuracy's best over the run) and print it."""
     result = evaluate(learner.policy, learner.tokenizer, records, learner.cfg, learner.accelerator, learner.verifier,
-                      learner.pool)
+                      learner.pool, learner.tools)
     row = {"kind": "eval", "step": step, **result}
     if final:  # each run's peak beside its end, as the papers' robustness figures use
         row["final"] = True
@@ -260,7 +280,8 @@ def train(cfg: Config) -> Path:
     with SandboxPool(timeout=cfg.sandbox_timeout) as pool, tracking(accelerator, cfg, run_dir, start):
         learner = Learner(cfg=cfg, accelerator=accelerator, policy=policy, tokenizer=tokenizer, optimizer=optimizer,
                           scheduler=scheduler, verifier=verifier, pool=pool, run_dir=run_dir,
-                          grpo=grpo_settings(cfg, accelerator.device), ref_model=ref_model)
+                          grpo=grpo_settings(cfg, accelerator.device), ref_model=ref_model,
+                          tools=Interpreter(tokenizer, pool, cfg.agent_max_calls) if cfg.agent else None)
         if accelerator.is_main_process:
             print(f"[t3rl] sandbox: {pool.report}", file=sys.stderr)
         if start == 0:
@@ -305,7 +326,7 @@ def check_prompts_fit(records: list[dict], tokenizer, model, cfg: Config):
     (skipping it silently would change the benchmark)."""
     context = getattr(model.config, "max_position_embeddings", None)
     for rec in records if context else []:
-        prompt = policy_prompt(tokenizer, rec["problem"], domain_of(cfg.bench).instruction)
+        prompt = policy_prompt(tokenizer, rec["problem"], instruction_of(cfg, cfg.agent))
         n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
         if n + cfg.max_new_tokens > context:
             fix = f"lower --max-new-tokens to {context - n}, or " if n < context else ""

@@ -371,6 +371,6 @@ def test_grpo_step_measures_the_samplers_logprobs_against_the_trainers(tiny_mode
                             GRPOSettings(2, bf16=False, temperature=1.0, is_cap=2.0))
         assert metrics["logprob_mismatch"] == pytest.approx(expected, abs=1e-5)
         assert metrics["is_weight"] == pytest.approx(math.exp(shift), abs=1e-5)
-    with pytest.raises(ValueError, match="one log-prob per completion token"):
+    with pytest.raises(ValueError, match="one log-prob per completion token the policy sampled"):
         grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 1),
                   Rollouts(prompts, completions, [1.0, 0.0, 0.0, 1.0], [row[:-1] for row in own]), settings)
