@@ -68,6 +68,7 @@ class EngineSettings:
 SETTINGS = EngineSettings()
 _ENGINES = weakref.WeakKeyDictionary()  # model -> Engine
 _OPTIMIZER_STEPS = [0]                  # optimizer steps taken in this process, by any torch optimizer
+FENCE = "```"                           # agent rollouts stop after one (sampler.sample_with_tools)
 
 
 def _count_step(optimizer, args, kwargs):
@@ -182,4 +183,29 @@ class Engine:
                 logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
                 reason = "eos" if tokens and tokens[-1] in eos_ids else "length"
                 rows += [(tokens, reason, None if greedy else sum(logprobs), None if greedy else logprobs)] * repeats
+        return rows
+
+    def continue_rows(self, model, contexts, budgets, seeds, may_stop, sampling, *, eos_ids, frozen=False):
+        """sampler.sample_with_tools' continue_rows: each context (prompt, tokens, tool outputs) sampled on by one
+        request of up to its budget, stopped after a fence (```) where may_stop (the caller reads whether it
+        closed a block); (new tokens, "eos" | "length" | "stop", their log-probs) per row."""
+        from vllm import SamplingParams
+        self.wake()
+        self.sync(model, frozen)
+        greedy = sampling.temperature == 0
+        params = [SamplingParams(n=1, max_tokens=budget, temperature=sampling.temperature,
+                                 top_p=1.0 if greedy else sampling.top_p, top_k=0, seed=None if greedy else seed,
+                                 stop_token_ids=list(eos_ids), ignore_eos=not eos_ids, logprobs=0,
+                                 stop=[FENCE] if stop else None, include_stop_str_in_output=True,
+                                 skip_special_tokens=False)
+                  for budget, seed, stop in zip(budgets, seeds, may_stop)]
+        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in contexts], params, use_tqdm=False)
+        rows = []
+        for request in outputs:
+            sample = request.outputs[0]
+            tokens = list(sample.token_ids)
+            logprobs = None if greedy else [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+            reason = ("eos" if tokens and tokens[-1] in eos_ids else "stop" if sample.stop_reason == FENCE
+                      else "length")
+            rows.append((tokens, reason, logprobs))
         return rows

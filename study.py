@@ -87,14 +87,21 @@ def stratified(records: list[dict], limit: int, seed: int) -> list[dict]:
     return order[:limit or None]
 
 
-def question_row(rec: dict, group, answers, verdicts) -> dict:
-    """One question's line: its k_max rollouts (sampler Completions) with answers and verdicts (Verifications)."""
-    return {"id": rec["id"], "gold": rec["answer"], "level": rec.get("level"), "subject": rec.get("subject"),
-            "answers": answers, "v": [res.v for res in verdicts], "status": [res.status for res in verdicts],
-            "result": [res.result for res in verdicts],
-            "policy_tokens": [c.num_tokens for c in group],
-            "verifier_tokens": [res.tokens or 0 for res in verdicts],
-            "text": [c.text for c in group], "program": [res.code for res in verdicts]}
+def question_row(rec: dict, group, answers, verdicts, agent=None) -> dict:
+    """One question's line: its k_max rollouts (sampler Completions) with answers and verdicts (Verifications),
+    and with --agent its k_max agent rollouts and their answers (agent: (group, answers))."""
+    row = {"id": rec["id"], "gold": rec["answer"], "level": rec.get("level"), "subject": rec.get("subject"),
+           "answers": answers, "v": [res.v for res in verdicts], "status": [res.status for res in verdicts],
+           "result": [res.result for res in verdicts],
+           "policy_tokens": [c.num_tokens for c in group],
+           "verifier_tokens": [res.tokens or 0 for res in verdicts],
+           "text": [c.text for c in group], "program": [res.code for res in verdicts]}
+    if agent is not None:
+        group, answers = agent
+        row.update(agent_answers=answers, agent_tokens=[c.num_tokens for c in group],
+                   agent_tool_tokens=[sum(c.tool_mask) for c in group], agent_text=[c.text for c in group],
+                   agent_calls=[[{"status": call.status, "output": call.output} for call in c.tool_calls] for c in group])
+    return row
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -106,14 +113,15 @@ def read_rows(run_dir: Path) -> list[dict]:
 
 
 ROLLOUT_FIELDS = ("answers", "v", "status", "result", "policy_tokens", "verifier_tokens", "text", "program")
+AGENT_FIELDS = ("agent_answers", "agent_tokens", "agent_tool_tokens", "agent_text", "agent_calls")
 
 
 def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: int, k_max: int) -> list[dict]:
     """Sample and verify what study.jsonl lacks: k_max rollouts for each question not in it, and rollouts
     have .. k_max - 1 for a question saved with only `have` (a study grown with a larger --n-votes), so the
     first `have` stay as they were and every k is still a nested subset. sample_and_verify(records, first, n)
-    -> (groups, answers, verdicts) gives n rollouts, numbered from `first`, per record; `batch_size` questions
-    per call. New questions' lines are appended, grown ones replace the file (atomically), batch by batch."""
+    -> (groups, answers, verdicts, agent) gives n rollouts, numbered from `first`, per record (agent: None, or
+    per record the (group, answers) of its agent rollouts); `batch_size` questions per call. New questions' lines are appended, grown ones replace the file (atomically), batch by batch."""
     path = run_dir / STUDY_FILE
     saved = {row["id"]: row for row in read_rows(run_dir)}  # in file order
 
@@ -128,13 +136,14 @@ def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: i
         same_start = [rec for _, rec in same_start]
         for start in range(0, len(same_start), batch_size):
             batch = same_start[start:start + batch_size]
-            groups, answers, verdicts = sample_and_verify(batch, first, k_max - first)
-            rows = [question_row(*args) for args in zip(batch, groups, answers, verdicts)]
+            groups, answers, verdicts, agent = sample_and_verify(batch, first, k_max - first)
+            rows = [question_row(*args) for args in zip(batch, groups, answers, verdicts, agent or [None] * len(batch))]
             if first == 0:
                 append_jsonl(path, rows)
             for row in rows:
                 old = saved.get(row["id"])
-                saved[row["id"]] = row if old is None else {**old, **{f: old[f] + row[f] for f in ROLLOUT_FIELDS}}
+                grown = [f for f in ROLLOUT_FIELDS + AGENT_FIELDS if f in row]
+                saved[row["id"]] = row if old is None else {**old, **{f: old[f] + row[f] for f in grown}}
             if first:
                 write_jsonl(path, saved.values())
             print(f"[study] {sum(have(rec) == k_max for rec in records)}/{len(records)} questions sampled and "
@@ -254,6 +263,35 @@ def budget_lines(correct, draws, ks, omegas, costs) -> list[str]:
     return lines
 
 
+def agent_lines(rows, correct, draws, ks, omega, classes, equiv) -> list[str]:
+    """TTRL-Agent (the majority over the policy's own tool-using rollouts) beside TTRL and T3RL, on the same
+    questions and seeds, and how the policy used its tool."""
+    agent = {k: np.array([float((label := weighted_vote(r["agent_answers"][:k], [0] * k, omega=1.0, **classes).label)
+                                is not None and equiv(label, r["gold"])) for r in rows]) for k in ks}
+    calls = [len(made) for r in rows for made in r["agent_calls"]]
+    statuses = {}
+    for r in rows:
+        for made in r["agent_calls"]:
+            for call in made:
+                statuses[call["status"]] = statuses.get(call["status"], 0) + 1
+    right = [a is not None and equiv(a, r["gold"]) for r in rows for a in r["agent_answers"]]
+    lines = ["", f"TTRL-Agent: the policy calls the interpreter in its own rollouts (--agent), majority vote; "
+                 f"{len(calls)} rollouts, {sum(c > 0 for c in calls) / len(calls):.3f} of them call it, "
+                 f"{np.mean(calls):.2f} calls per rollout ({', '.join(f'{s} {n}' for s, n in sorted(statuses.items()))}); "
+                 f"right {np.mean(right):.3f}; tokens per question at k = {ks[-1]}: "
+                 f"{np.mean([sum(r['agent_tokens'][:ks[-1]]) for r in rows]):.0f} "
+                 f"(tool output {np.mean([sum(r['agent_tool_tokens'][:ks[-1]]) for r in rows]):.0f})",
+             f"{'k':>3} {'TTRL':>7} {'TTRL-Agent':>11} {'T3RL w=' + f'{omega:g}':>9}  {'Agent-TTRL':>10} {'95% CI':<17}"
+             f"{'T3RL-Agent':>11} {'95% CI':<17}"]
+    for k in ks:
+        base, t3 = correct[k, 1.0], correct[k, omega]
+        (lo, hi), (tlo, thi) = interval(agent[k] - base, draws), interval(t3 - agent[k], draws)
+        lines.append(f"{k:>3} {base.mean():>7.3f} {agent[k].mean():>11.3f} {t3.mean():>9.3f}  "
+                     f"{(agent[k] - base).mean():>+10.3f} [{lo:+.3f}, {hi:+.3f}]{(t3 - agent[k]).mean():>+11.3f} "
+                     f"[{tlo:+.3f}, {thi:+.3f}]")
+    return lines
+
+
 def pass_line(right, ks) -> str:
     """pass@k: some rollout among the first k is right, the ceiling of every vote's label accuracy."""
     return "pass@k (the ceiling of any vote): " + ", ".join(
@@ -331,6 +369,8 @@ def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> s
     lines += accuracy_table(correct, draws, ks, OMEGAS, costs)
     lines += level_table(rows, correct, ks, omega, seed, resamples)
     lines += budget_lines(correct, draws, ks, OMEGAS, costs)
+    if all("agent_answers" in r for r in rows):
+        lines += agent_lines(rows, correct, draws, ks, omega, classes, equiv)
     text = "\n".join(lines)
     (run_dir / "table.txt").write_text(text + "\n", encoding="utf-8")
     plot(run_dir / "study.png", correct, draws, ks, OMEGAS, costs, title, omega)

@@ -371,8 +371,9 @@ def grpo_settings(cfg: Config, device) -> GRPOSettings:
 
 
 def run_study(cfg: Config) -> Path:
-    """--study: k_max = n_votes rollouts per question, sampled and verified once, saved, then study.py's report.
-    Each question has its own sampling seed, so a resumed study samples what an uninterrupted one would."""
+    """--study: k_max = n_votes rollouts per question, sampled and verified once, saved, then study.py's report
+    (--agent: and k_max agent rollouts per question on the same seeds, for TTRL-Agent's vote). Each question has
+    its own sampling seed, so a resumed study samples what an uninterrupted one would."""
     run_dir = open_study(cfg)
     records = stratified(load_bench(cfg.bench), cfg.limit, cfg.seed)
     device = torch.device("cuda" if has_gpu() else "cpu")
@@ -381,7 +382,9 @@ def run_study(cfg: Config) -> Path:
     dom = domain_of(cfg.bench, cfg.answer_rule)
     weights = (policy, tokenizer) if cfg.verifier_model == "self" else load_model(cfg.verifier_model,
                                                                                   dtype=sample_dtype(cfg))
-    with SandboxPool() as pool:
+    with SandboxPool(timeout=cfg.sandbox_timeout) as pool:
+        tools = Interpreter(tokenizer, pool, cfg.agent_max_calls) if cfg.agent else None
+
         def sample_and_verify(batch, first: int, n: int):
             # rollouts from `first` on (a grown study) get seeds of their own: new draws, not the first ones again
             grown = f"+{first}" if first else ""
@@ -392,7 +395,14 @@ def run_study(cfg: Config) -> Path:
             # the verifier is seeded per batch, so a resumed study draws the programs an uninterrupted one would
             seeded = replace(cfg, seed=question_seed(cfg.seed, -1, batch[0]["id"], "verify" + grown))
             verifier = build_verifier(seeded, device, loaded=weights)
-            return groups, answers, verify_groups(batch, groups, answers, verifier, pool, cfg)
+            verdicts = verify_groups(batch, groups, answers, verifier, pool, cfg)
+            if not tools:
+                return groups, answers, verdicts, None
+            # --agent: the same questions and seeds, the policy with its own interpreter (TTRL-Agent's rollouts)
+            agent = sample_groups(policy, tokenizer, batch, cfg, n, temperature=cfg.temperature, top_p=cfg.top_p,
+                                  seeds=seeds, progress="study agent", tools=tools)
+            agent_answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(batch, agent)]
+            return groups, answers, verdicts, list(zip(agent, agent_answers))
         collect(records, run_dir, sample_and_verify, cfg.questions_per_step, cfg.n_votes)
     print(report(run_dir, dom.classes, dom.equiv))
     return run_dir
