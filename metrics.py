@@ -96,8 +96,10 @@ def agent_metrics(per_question: list[dict], rollouts: int) -> dict:
         for status, count in q["tool_statuses"].items():
             statuses[status] = statuses.get(status, 0) + count
     n = max(rollouts, 1)
-    return {"agent/tool_calls_per_rollout": total("tool_calls") / n, "agent/calling_ratio": total("rollouts_calling") / n,
-            "agent/answer_from_tool_ratio": total("answer_from_tool") / n, "agent/tool_tokens_per_rollout": total("tool_tokens") / n,
+    return {"agent/tool_calls_per_rollout": total("tool_calls") / n,
+            "agent/calling_ratio": total("rollouts_calling") / n,
+            "agent/answer_from_tool_ratio": total("answer_from_tool") / n,
+            "agent/tool_tokens_per_rollout": total("tool_tokens") / n,
             "agent/tool_status": dict(sorted(statuses.items()))}
 
 

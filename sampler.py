@@ -39,6 +39,10 @@ Design of "kv":
     A model that never trains (frozen=True: the verifier) keeps its packed weights between calls.
   - Finished rows leave the batch: when an eighth of the batch has produced its end-of-sequence token, the
     live rows are copied to the front of the cache and the batch shrinks, so they stop costing compute.
+  - Tool calls (generate's `tools`, agent.py): a row whose tokens close a block pauses for one step while the
+    step's blocks run together; the output's tokens then go through the model into that row's cache from its
+    next column on (one forward of the output alone, nothing prefilled again), and from then on each row
+    writes its own column (rows hold different numbers of tokens), with its rotary position and its mask.
   - The step's float32 logits and their probabilities live in two (rows, vocab) buffers allocated with the
     cache: fresh 152k-wide tensors every step cost more in page faults than the arithmetic on them.
   - Waves: the cache size (2 * layers * rows * kv heads * max length * head dim * bytes per element) is
@@ -125,11 +129,9 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
     does not train, e.g. a verifier: its weights' sampling copy, cast, stacked and packed, is made on the first
     call and kept for the next ones, until a parameter changes; "vllm" loads its weights into the engine once;
     "hf" has no copy to keep).
-    tools: tool calls inside the completions (agent.Interpreter: triggers, max_calls, block_ends, run). A row
-    whose token is a trigger and whose tokens since its last tool output close a block (block_ends) stops
-    there; the blocks closed at one step run together (run), each output's tokens are appended to its row,
-    which samples on, up to max_calls calls and max_new_tokens tokens in all (tool tokens count). "kv" appends
-    them to the row's cache; "hf" and "vllm" sample the row on from its whole context.
+    tools: tool calls inside the completions (agent.Interpreter): a row whose tokens close a block stops, the
+    blocks closed together run together, and each output is appended to its row, which samples on (max_calls
+    calls, max_new_tokens tokens in all); "kv" appends to the row's cache, "hf" and "vllm" re-read the row.
     """
     _check_arguments(backend, n, max_new_tokens, temperature, top_p,
                      kv_only=memory_budget is not None or compile or (backend == "hf" and dtype is not None))
@@ -162,14 +164,10 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
         else:
             rows = _generate_hf(model, tokenizer, prompt_ids, n, sampling,
                                 seed if isinstance(seed, int) else prompt_seeds, eos_ids, ignore_eos)
-    completions = []
-    for p, ids in enumerate(prompt_ids):
-        group = []
-        for tokens, reason, *rest in rows[p * n:(p + 1) * n]:  # rest: logprob, token_logprobs, tool_mask, tool_calls
-            text = None if tokenizer is None else tokenizer.decode(tokens, skip_special_tokens=True)
-            group.append(Completion(ids, tokens, text, reason, *rest))
-        completions.append(group)
-    return completions
+    decode = (lambda tokens: None) if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
+    # a row: token ids, finish reason, then as the backend reports them logprob, token_logprobs, tool_mask, tool_calls
+    return [[Completion(ids, tokens, decode(tokens), reason, *rest)
+             for tokens, reason, *rest in rows[p * n:(p + 1) * n]] for p, ids in enumerate(prompt_ids)]
 
 
 @dataclass
@@ -234,7 +232,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 # --------------------------------------------------------------------------- hf: the reference
 
-def _generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed, eos_ids, ignore_eos, stopping=()):
+def _generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed, eos_ids, ignore_eos, *, stopping=()):
     """transformers generate on the left-padded batch; returns (token_ids, finish_reason, None) per row.
 
     seed: an int seeds the one batched call; a list (one per prompt) runs one call per prompt, each seeded.
@@ -345,8 +343,9 @@ def _continue_rows_hf(model, tokenizer, contexts, budgets, seeds, may_stop, samp
     results = []
     for context, budget, seed, stop in zip(contexts, budgets, seeds, may_stop):
         criterion = BlockClosed(len(context))
-        (tokens, reason, _), = _generate_hf(model, tokenizer, [context], 1, Sampling(budget, sampling.temperature,
-                                            sampling.top_p), seed, eos_ids, not eos_ids, [criterion] if stop else [])
+        budgeted = Sampling(budget, sampling.temperature, sampling.top_p)
+        (tokens, reason, _), = _generate_hf(model, tokenizer, [context], 1, budgeted, seed, eos_ids, not eos_ids,
+                                            stopping=[criterion] if stop else [])
         results.append((tokens, "stop" if criterion.fired else reason, None))
     return results
 
@@ -812,8 +811,9 @@ def _decode_wave(run: Run, prompts, sampling: Sampling, uniforms, *, progress=No
     probs = torch.empty_like(logits)                                                      # their probabilities
     prefill(run, cache, prompts, width, logits)
     start = width - torch.tensor([len(p) for p in prompts], device=run.device)
-    batch = Batch(torch.arange(n_rows, device=run.device), start, torch.ones(n_rows, dtype=torch.bool, device=run.device),
-                  int(start.min()), torch.full((n_rows,), width, device=run.device))
+    alive = torch.ones(n_rows, dtype=torch.bool, device=run.device)
+    batch = Batch(torch.arange(n_rows, device=run.device), start, alive, int(start.min()),
+                  torch.full((n_rows,), width, device=run.device))
     out = torch.empty(n_rows, steps, dtype=torch.long, device=run.device)
     ends, reasons = [steps] * n_rows, ["length"] * n_rows  # sampled tokens kept per row, why it stopped
     logprobs = torch.zeros(n_rows, dtype=torch.float32, device=run.device)  # sum of log pi_T(drawn token) per row
@@ -908,8 +908,8 @@ class ToolRows:
         one_row = KVCache(cache.k[:, b:b + 1], cache.v[:, b:b + 1])
         logits[b] = forward(run.w, torch.tensor([ids], device=logits.device), (column - first + t)[None],
                             column + t, one_row, mask, run.rotary)[0].float()
-        batch.columns[b] = column + len(ids)
         batch.aligned = False
+        batch.columns[b] = min(column + len(ids), limit - 1)  # a row the output fills writes no more that is read
         if column + len(ids) >= limit:
             batch.alive[b] = False
             ends[row] = step + 1

@@ -100,7 +100,8 @@ def question_row(rec: dict, group, answers, verdicts, agent=None) -> dict:
         group, answers = agent
         row.update(agent_answers=answers, agent_tokens=[c.num_tokens for c in group],
                    agent_tool_tokens=[sum(c.tool_mask) for c in group], agent_text=[c.text for c in group],
-                   agent_calls=[[{"status": call.status, "output": call.output} for call in c.tool_calls] for c in group])
+                   agent_calls=[[{"status": call.status, "output": call.output} for call in c.tool_calls]
+                                for c in group])
     return row
 
 

@@ -8,7 +8,6 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import config
-import domains
 import sampler
 import t3rl
 from agent import Interpreter, ToolCall
@@ -122,6 +121,28 @@ def test_the_kv_sampler_appends_the_output_to_the_rows_cache_and_matches_resampl
     assert prefills == [1]  # one wave, prefilled once: the outputs went into the cache, no row was prefilled again
     assert all(c.tool_mask[3:6] == [True] * 3 and c.token_ids[3:6] == [7, 8, 9] for g in out["kv"] for c in g)
     assert tools["kv"].batches == [6, 6]  # every row's first call in one run, then every row's second
+
+
+class OneLongOutput(EveryFewTokens):
+    """Calls after 3 tokens; the row whose segment starts with the largest token id gets a long output, the
+    others a one-token one: that row fills its budget alone while the others go on."""
+
+    def run(self, codes, segments):
+        longest = max(segment[0] for segment in segments)
+        return [ToolCall(code, "ok", "7", [7] * (5 if segment[0] == longest else 1))
+                for code, segment in zip(codes, segments)]
+
+
+def test_the_kv_sampler_cuts_an_output_to_the_rows_budget_while_other_rows_go_on():
+    model = small_vocab_model(200, logit_scale=3.0)
+    model.generation_config.eos_token_id = 199
+    # 12 rows: a row that finishes alone stays in the batch (compaction waits for an eighth of it)
+    prompts = [[k, k + 20] for k in range(1, 13)]
+    out = {backend: generate(model, None, prompts, n=1, max_new_tokens=7, temperature=0, backend=backend,
+                             tools=OneLongOutput(200)) for backend in ("kv", "hf")}
+    kv, hf = ([(c.token_ids, c.tool_mask, c.finish_reason) for g in out[b] for c in g] for b in ("kv", "hf"))
+    assert kv == hf and all(len(tokens) == 7 for tokens, _, _ in kv)
+    assert sorted(sum(mask) for _, mask, _ in kv)[-2:] == [1, 4]  # one output cut from 5 to 4 tokens, alone
 
 
 def test_tool_output_gets_no_gradient_and_the_policys_tokens_do():
