@@ -19,6 +19,10 @@ and at what token cost? Measured on the same samples, without training.
         rollouts the verifier reads as its prompts (prefilled: cheap per token on a GPU, the verifier's main
         cost on a CPU; the system prompt and problem it reads besides are not counted)
 
+With --agent each question also gets K agent rollouts (agent.py: the policy calls the interpreter itself) on
+the same seeds, and the report adds TTRL-Agent@k, their majority vote, beside TTRL@k and T3RL@k, with the paired
+differences and how often the policy called its tool.
+
 A study folder holds config.json, study.jsonl (one line per question: gold, level, every rollout's answer,
 verdict, status, tool result, token counts, text and program), table.txt and study.png. A killed study resumes
 at the next unfinished question; a finished one grows with a larger --n-votes or --limit on --resume (the
@@ -41,10 +45,12 @@ from pathlib import Path
 
 import numpy as np
 
+from agent import last_line
 from benchmarks import load_bench
 from domains import domain_of
 from files import append_jsonl, drop_torn_tail, read_jsonl_rows, write_jsonl
 from runs import RunDirError
+from verifier import tool_agrees
 from voting import group_metrics, weighted_vote
 
 KS = (4, 8, 16, 32, 64)
@@ -276,10 +282,13 @@ def agent_lines(rows, correct, draws, ks, omega, classes, equiv) -> list[str]:
             for call in made:
                 statuses[call["status"]] = statuses.get(call["status"], 0) + 1
     right = [a is not None and equiv(a, r["gold"]) for r in rows for a in r["agent_answers"]]
+    from_tool = [a is not None and any(tool_agrees(last_line(call["output"]), a) for call in made)
+                 for r in rows for a, made in zip(r["agent_answers"], r["agent_calls"])]
     lines = ["", f"TTRL-Agent: the policy calls the interpreter in its own rollouts (--agent), majority vote; "
                  f"{len(calls)} rollouts, {sum(c > 0 for c in calls) / len(calls):.3f} of them call it, "
                  f"{np.mean(calls):.2f} calls per rollout ({', '.join(f'{s} {n}' for s, n in sorted(statuses.items()))}); "
-                 f"right {np.mean(right):.3f}; tokens per question at k = {ks[-1]}: "
+                 f"right {np.mean(right):.3f}, final answer printed by a call {np.mean(from_tool):.3f}; "
+                 f"tokens per question at k = {ks[-1]}: "
                  f"{np.mean([sum(r['agent_tokens'][:ks[-1]]) for r in rows]):.0f} "
                  f"(tool output {np.mean([sum(r['agent_tool_tokens'][:ks[-1]]) for r in rows]):.0f})",
              f"{'k':>3} {'TTRL':>7} {'TTRL-Agent':>11} {'T3RL w=' + f'{omega:g}':>9}  {'Agent-TTRL':>10} {'95% CI':<17}"

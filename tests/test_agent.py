@@ -239,4 +239,4 @@ def test_the_study_with_agent_votes_on_agent_rollouts_beside_the_plain_ones(tiny
     assert first["agent_text"] != first["text"]  # the plain rollouts have no tool output
     assert all("```output\n" not in text for text in first["text"])
     table = (run_dir / "table.txt").read_text()
-    assert "TTRL-Agent" in table and "1.000 of them call it, 2.00 calls per rollout (ok 32)" in table
+    assert "TTRL-Agent" in table and "1.000 of them call it, 2.00 calls per rollout (ok 32); right" in table
