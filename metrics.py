@@ -223,6 +223,11 @@ def summary(run_dir: Path) -> str:
         lines.append(f"{'flips (fixed / broke)':<28}{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
                      f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
                      f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")
+        if "agent/tool_calls_per_rollout" in train_rows[0]:  # --agent: the policy's own tool use while training
+            for name, key in (("tool calls per rollout", "tool_calls_per_rollout"),
+                              ("rollouts calling the tool", "calling_ratio"),
+                              ("answers a tool call printed", "answer_from_tool_ratio")):
+                lines.append(f"{name:<28}{mean('agent/' + key):>10.3f}")
     return "\n".join(lines)
 
 
