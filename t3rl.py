@@ -13,13 +13,15 @@ Test-time RL trains a model on unlabeled test questions. For each question q:
 
 rl_step is that step; train() loops it over the benchmark. What is not the method lives beside it: the
 options (config.py), the run folder and checkpoints (runs.py), the monitors and reports (metrics.py), the
-benchmarks (benchmarks.py), the answer domains (domains.py), the evidence study and --replay (study.py).
+benchmarks (benchmarks.py), the answer domains (domains.py), the evidence study and --replay (study.py),
+the TTRL-Agent baseline, whose policy calls the interpreter itself (agent.py, --agent).
 
 Run it:
     python t3rl.py                                  # CPU, offline: embedded 0.5B model, demo benchmark
     accelerate launch t3rl.py --bench math500       # the paper's setting on GPUs
     python t3rl.py --bench knk                      # Knights and Knaves puzzles, the verifier writes SMT-LIB2 for z3
     torchrun --nproc_per_node 2 t3rl.py             # several processes on CPUs (gloo)
+    python t3rl.py --agent --omega 1 --no-verify    # TTRL-Agent: the policy's rollouts call Python themselves
 """
 import functools
 import hashlib
