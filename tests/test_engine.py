@@ -98,6 +98,28 @@ def test_engine_logprobs_are_the_trainers_at_the_sampling_temperature(policy):
     assert (trainer - served).abs().max() < 2e-3
 
 
+def test_agent_rollouts_on_the_engine_run_the_blocks_like_transformers(policy, pool):
+    """The engine stops a row after a fence, and sample_with_tools appends the block's output and samples on: the
+    same greedy rollouts as transformers with its stopping criterion, and sampled ones with a log-prob for
+    each token the policy sampled (none for the tool's)."""
+    from agent import TOOL_INSTRUCTION, Interpreter
+    from domains import MATH_INSTRUCTION
+    model, tokenizer = policy
+    prompt = t3rl.policy_prompt(tokenizer, "What is $123 \\times 456 + 789$?", MATH_INSTRUCTION + TOOL_INSTRUCTION)
+    tools = Interpreter(tokenizer, pool, max_calls=2)
+    [[served]], [[reference]] = (generate(model, tokenizer, [prompt], n=1, max_new_tokens=200, temperature=0,
+                                          backend=backend, tools=tools,
+                                          **({"dtype": torch.float32} if backend == "vllm" else {}))
+                                 for backend in ("vllm", "hf"))
+    assert [c.output for c in served.tool_calls] == ["56877"]
+    assert (served.token_ids, served.tool_mask) == (reference.token_ids, reference.tool_mask)
+    assert "```output\n56877\n```" in served.text
+    [sampled] = generate(model, tokenizer, [prompt], n=2, max_new_tokens=200, temperature=0.6, seed=1, backend="vllm",
+                         dtype=torch.float32, tools=tools)
+    for c in sampled:
+        assert len(c.token_logprobs) == c.tool_mask.count(False)
+
+
 def test_the_engine_follows_each_update_and_only_then_reloads(engine_dir, tokenizer):
     """After a GRPO update the engine's greedy continuation is the updated model's (and not the old one's); a
     call with unchanged weights loads nothing."""
@@ -160,24 +182,3 @@ def test_a_resumed_run_samples_from_the_checkpoints_weights(engine_dir, tmp_path
     assert step_two(resumed) == step_two(whole)
     assert step_two(unmoved) != step_two(whole)
 
-
-def test_agent_rollouts_on_the_engine_run_the_blocks_like_transformers(policy, pool):
-    """The engine stops a row after a fence, and sample_with_tools appends the block's output and samples on: the
-    same greedy rollouts as transformers with its stopping criterion, and sampled ones with a log-prob for
-    each token the policy sampled (none for the tool's)."""
-    from agent import TOOL_INSTRUCTION, Interpreter
-    from domains import MATH_INSTRUCTION
-    model, tokenizer = policy
-    prompt = t3rl.policy_prompt(tokenizer, "What is $123 \\times 456 + 789$?", MATH_INSTRUCTION + TOOL_INSTRUCTION)
-    tools = Interpreter(tokenizer, pool, max_calls=2)
-    [[served]], [[reference]] = (generate(model, tokenizer, [prompt], n=1, max_new_tokens=200, temperature=0,
-                                          backend=backend, tools=tools,
-                                          **({"dtype": torch.float32} if backend == "vllm" else {}))
-                                 for backend in ("vllm", "hf"))
-    assert [c.output for c in served.tool_calls] == ["56877"]
-    assert (served.token_ids, served.tool_mask) == (reference.token_ids, reference.tool_mask)
-    assert "```output\n56877\n```" in served.text
-    [sampled] = generate(model, tokenizer, [prompt], n=2, max_new_tokens=200, temperature=0.6, seed=1, backend="vllm",
-                         dtype=torch.float32, tools=tools)
-    for c in sampled:
-        assert len(c.token_logprobs) == c.tool_mask.count(False)
