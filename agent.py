@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from sandbox import SandboxPool
-from verifier import PYTHON_PRELUDE, tool_agrees
+from verifier import PYTHON_PRELUDE, last_line, tool_agrees
 
 # added to the domain's instruction (domains.py): how to call the tool, and that the answer still goes in its form
 TOOL_INSTRUCTION = ("\nYou may use Python to compute: a block\n```python\nCODE\n```\nis run, and what it prints is "
@@ -80,8 +80,7 @@ def shown_output(result) -> str:
     if result.status == "ok":
         text = result.stdout.strip()
     else:
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        text = lines[-1].strip() if lines else result.status
+        text = last_line(result.stderr) or result.status
     return text if len(text) <= OUTPUT_CHARS else "[... cut ...]" + text[-OUTPUT_CHARS:]
 
 
@@ -95,7 +94,3 @@ def agent_monitors(group, answers) -> dict:
             "answer_from_tool": from_tool, "tool_tokens": sum(sum(c.tool_mask or []) for c in group),
             "tool_statuses": dict(Counter(call.status for made in calls for call in made))}
 
-
-def last_line(text: str) -> str | None:
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else None

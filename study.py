@@ -45,12 +45,11 @@ from pathlib import Path
 
 import numpy as np
 
-from agent import last_line
 from benchmarks import load_bench
 from domains import domain_of
 from files import append_jsonl, drop_torn_tail, read_jsonl_rows, write_jsonl
 from runs import RunDirError
-from verifier import tool_agrees
+from verifier import last_line, tool_agrees
 from voting import group_metrics, weighted_vote
 
 KS = (4, 8, 16, 32, 64)

@@ -313,15 +313,20 @@ def python_tool(codes, sandbox=None):
     runs = sandbox.run_many([PYTHON_PRELUDE + code for code in codes]) if codes else []
     tool_runs = []
     for run in runs:
-        lines = [line.strip() for line in run.stdout.splitlines() if line.strip()]
         status = "ok" if run.status == "ok" else "timeout" if run.status == "timeout" else "error"
         output = run.stdout + (("\n" if run.stdout and run.stderr else "") + run.stderr)
-        tool_runs.append(ToolRun(status, lines[-1] if lines else None, output, run.duration))
+        tool_runs.append(ToolRun(status, last_line(run.stdout), output, run.duration))
     spell = [t for t in tool_runs if t.status == "ok" and t.result and _PYTHON_EXPRESSION.search(t.result)]
     if spell:
         for t, run in zip(spell, sandbox.run_many([_LATEX_SNIPPET.format(text=_value_text(t.result)) for t in spell])):
             t.latex = run.stdout.strip() if run.status == "ok" and run.stdout.strip() else None
     return tool_runs
+
+
+def last_line(text: str) -> str | None:
+    """The last non-empty line of text, stripped (None: there is none): a program's result as it printed it."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
 
 
 def _value_text(result):
