@@ -165,47 +165,51 @@ class Engine:
         """(token_ids, finish_reason, sum of log-probs, per-token log-probs) per row, n rows per prompt in order.
         sampling: sampler.Sampling; eos_ids: the ids that end a row (empty: sample to max_new_tokens); frozen:
         the model never trains (its weights load once)."""
-        from vllm import SamplingParams
-        self.wake()
-        self.sync(model, frozen)
         greedy = sampling.temperature == 0
         repeats = n if greedy else 1  # vLLM refuses n > 1 when greedy: decode once, repeat
-        params = [SamplingParams(n=n // repeats, max_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                                 top_p=1.0 if greedy else sampling.top_p, top_k=0, seed=None if greedy else seed,
-                                 stop_token_ids=list(eos_ids), ignore_eos=not eos_ids, logprobs=0,
-                                 skip_special_tokens=False, detokenize=False)
-                  for seed in prompt_seeds]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+        params = [_params(sampling, sampling.max_new_tokens, seed, eos_ids, n=n // repeats) for seed in prompt_seeds]
         rows = []
-        for request in outputs:
+        for request in self._run(model, frozen, prompt_ids, params):
             for sample in sorted(request.outputs, key=lambda s: s.index):
-                tokens = list(sample.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
+                tokens, logprobs = list(sample.token_ids), _token_logprobs(sample, greedy)
                 reason = "eos" if tokens and tokens[-1] in eos_ids else "length"
-                rows += [(tokens, reason, None if greedy else sum(logprobs), None if greedy else logprobs)] * repeats
+                rows += [(tokens, reason, None if greedy else sum(logprobs), logprobs)] * repeats
         return rows
 
     def continue_rows(self, model, contexts, budgets, seeds, may_stop, sampling, *, eos_ids, frozen=False):
         """sampler.sample_with_tools' continue_rows: each context (prompt, tokens, tool outputs) sampled on by one
         request of up to its budget, stopped after a fence (```) where may_stop (the caller reads whether it
         closed a block); (new tokens, "eos" | "length" | "stop", their log-probs) per row."""
-        from vllm import SamplingParams
-        self.wake()
-        self.sync(model, frozen)
-        greedy = sampling.temperature == 0
-        params = [SamplingParams(n=1, max_tokens=budget, temperature=sampling.temperature,
-                                 top_p=1.0 if greedy else sampling.top_p, top_k=0, seed=None if greedy else seed,
-                                 stop_token_ids=list(eos_ids), ignore_eos=not eos_ids, logprobs=0,
-                                 stop=[FENCE] if stop else None, include_stop_str_in_output=True,
-                                 skip_special_tokens=False)
+        params = [_params(sampling, budget, seed, eos_ids, stop=FENCE if stop else None)
                   for budget, seed, stop in zip(budgets, seeds, may_stop)]
-        outputs = self.llm.generate([{"prompt_token_ids": ids} for ids in contexts], params, use_tqdm=False)
         rows = []
-        for request in outputs:
+        for request in self._run(model, frozen, contexts, params):
             sample = request.outputs[0]
             tokens = list(sample.token_ids)
-            logprobs = None if greedy else [step[token].logprob for step, token in zip(sample.logprobs, tokens)]
             reason = ("eos" if tokens and tokens[-1] in eos_ids else "stop" if sample.stop_reason == FENCE
                       else "length")
-            rows.append((tokens, reason, logprobs))
+            rows.append((tokens, reason, _token_logprobs(sample, sampling.temperature == 0)))
         return rows
+
+    def _run(self, model, frozen, contexts, params):
+        """vLLM's outputs for token-id contexts, one SamplingParams each, on the model's current weights."""
+        self.wake()
+        self.sync(model, frozen)
+        return self.llm.generate([{"prompt_token_ids": ids} for ids in contexts], params, use_tqdm=False)
+
+
+def _params(sampling, max_tokens: int, seed: int, eos_ids, n: int = 1, stop: str | None = None):
+    """One request's SamplingParams: sampler.Sampling's temperature and top-p (greedy when 0: no seed, no
+    nucleus), ending at eos_ids (none: sample to max_tokens) or after stop, kept in the output."""
+    from vllm import SamplingParams
+    greedy = sampling.temperature == 0
+    return SamplingParams(n=n, max_tokens=max_tokens, temperature=sampling.temperature,
+                          top_p=1.0 if greedy else sampling.top_p, top_k=0, seed=None if greedy else seed,
+                          stop_token_ids=list(eos_ids), ignore_eos=not eos_ids, logprobs=0,
+                          stop=[stop] if stop else None, include_stop_str_in_output=True,
+                          skip_special_tokens=False, detokenize=stop is not None)
+
+
+def _token_logprobs(sample, greedy: bool):
+    """The log-prob of each sampled token (None when greedy: nothing trains on a greedy row)."""
+    return None if greedy else [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
