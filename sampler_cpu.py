@@ -9,8 +9,11 @@ A model that never trains (the verifier) need not be cast, stacked and packed on
 1.5B model takes 2-3 s to pack. kept_weights makes its sampling weights once and reuses them until a
 parameter changes.
 
-The packing ops are PyTorch internals (inductor's CPU linears use them), hence packing_available's guard.
+The packing ops are PyTorch internals (inductor's CPU linears use them) and their bfloat16 path runs only on
+CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, hence packing_available's guard: elsewhere (an AVX2 CPU)
+sampling takes F.linear.
 """
+import functools
 import weakref
 from dataclasses import dataclass
 
@@ -19,8 +22,21 @@ import torch
 
 def packing_available(dtype, device) -> bool:
     """Whether this PyTorch can pack weights of `dtype` on `device` for oneDNN (bfloat16 on a CPU)."""
-    return (device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return device.type == "cpu" and dtype == torch.bfloat16 and _packing_runs()
+
+
+@functools.cache
+def _packing_runs() -> bool:
+    """Whether this PyTorch has the packing ops and this CPU runs them: tried once on a small weight (torch has
+    no public query for the CPU features they need, and raises on a CPU without them)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    weight = torch.ones(16, 16, dtype=torch.bfloat16)
+    try:
+        out = PackedLinear.of(weight, None)(torch.ones(2, 16, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return torch.equal(out, torch.full((2, 16), 16.0, dtype=torch.bfloat16))
 
 
 @dataclass

@@ -1,6 +1,7 @@
 from sampler_cpu import PackedLinear
 
 """sampler_cpu.py: oneDNN-packed weights and the kept weights of a frozen model."""
+import pytest
 import torch
 
 import sampler
@@ -23,6 +24,9 @@ def test_a_frozen_model_is_packed_once_and_again_after_a_parameter_changes(monke
     assert token_rows(changed) != token_rows(first)
 
 
+@pytest.mark.skipif(not sampler.packing_available(torch.bfloat16, torch.device("cpu")),
+                    reason="this CPU has neither AVX-512 (BW, VL, DQ) nor AVX-NE-CONVERT: oneDNN's bfloat16 packing "
+                           "does not run on it")
 def test_packed_cpu_weights_sample_what_plain_products_sample(monkeypatch):
     """bfloat16 on a CPU: the weights are packed for oneDNN once per call; the tokens and their log-probs are
     those of F.linear on the plain weights."""

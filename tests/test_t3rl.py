@@ -61,22 +61,23 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
                                                    n_votes=8)))
     gold = {f"q{i}": g for i, g in enumerate(golds)}
     train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
-    pooled = {"verified": 0, "right": 0, "both": 0}
+    pooled = {"verified": 0, "judged": 0, "both": 0}
     for m in train_rows:
         step = [r for r in rows(run, "rollouts.jsonl") if r["step"] == m["step"]]
         verified = [r for r in step if r["v"]]
         right = [r for r in step if r["answer"] == gold[r["id"]]]
+        judged = [r for r in right if r["status"] != "skipped"]  # recall: of the right rollouts it was asked about
         both = [r for r in verified if r["answer"] == gold[r["id"]]]
         assert m["verifier_precision"] == (len(both) / len(verified) if verified else None)
-        assert m["verifier_recall"] == (len(both) / len(right) if right else None)
-        pooled = {"verified": pooled["verified"] + len(verified), "right": pooled["right"] + len(right),
+        assert m["verifier_recall"] == (len(both) / len(judged) if judged else None)
+        pooled = {"verified": pooled["verified"] + len(verified), "judged": pooled["judged"] + len(judged),
                   "both": pooled["both"] + len(both)}
         recall = "-" if m["verifier_recall"] is None else f"{m['verifier_recall']:.2f}"
         assert f" rec {recall} |" in metrics.format_step(m, 2)
-    assert 0 < pooled["both"] < pooled["right"] and pooled["both"] < pooled["verified"]  # neither score is trivial
+    assert 0 < pooled["both"] < pooled["judged"] and pooled["both"] < pooled["verified"]  # neither score is trivial
     table = metrics.summary(run)
     assert f"verifier precision{pooled['both'] / pooled['verified']:>20.3f}" in table
-    assert f"verifier recall{pooled['both'] / pooled['right']:>23.3f}" in table
+    assert f"verifier recall{pooled['both'] / pooled['judged']:>23.3f}" in table
 
 
 def test_a_run_without_the_verifier_reports_no_verifier_precision_or_recall(tiny_dir, tmp_path, monkeypatch, patched):
