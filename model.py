@@ -26,6 +26,7 @@ written under a temporary name and renamed into place, so a load interrupted hal
 cache behind, and a file lock per model lets several processes (accelerate launch) share one conversion.
 """
 import fcntl
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -276,10 +277,30 @@ def parse_dtype(dtype) -> torch.dtype:
 
 
 def _from_pretrained(source: Path, dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    from transformers import AutoModelForCausalLM
+    tokenizer = _tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=parse_dtype(dtype))
     return model, tokenizer
+
+
+TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # a folder's files that can shape its tokenizer
+_TOKENIZERS: dict[str, object] = {}  # digest of those files -> the tokenizer parsed from them (the last few)
+
+
+def _tokenizer(source: Path):
+    """The folder's tokenizer, parsed once per process for the same files: a 150k-token tokenizer takes seconds
+    to parse, and one process loads the same one again (the reference model, the evaluation, a resumed or
+    k-seeded run, a checkpoint's copy). Shared: callers read it and never change it."""
+    from transformers import AutoTokenizer
+    digest = hashlib.sha256()
+    for path in sorted({p for pattern in TOKENIZER_FILES for p in source.glob(pattern) if p.is_file()}):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    key = digest.hexdigest()
+    if key not in _TOKENIZERS:
+        if len(_TOKENIZERS) >= 4:
+            del _TOKENIZERS[next(iter(_TOKENIZERS))]
+        _TOKENIZERS[key] = AutoTokenizer.from_pretrained(source)
+    return _TOKENIZERS[key]
 
 
 def load_model(spec: str = "embedded", dtype=None):
