@@ -829,7 +829,9 @@ def _decode_wave(run: Run, prompts, sampling: Sampling, uniforms, *, progress=No
             logprobs[batch.rows] += torch.where(batch.alive, drawn, 0.0)
         bar.update()
         bar.set_postfix(rows=b, refresh=False)
-        if j == steps - 1:
+        if j == steps - 1:  # the budget's last token: it ends the row by "eos" if it is one
+            for row in batch.rows[batch.alive & torch.isin(tokens, run.eos)].tolist():
+                reasons[row] = "eos"
             break
         full = batch.columns >= last_column  # the row's token budget is spent (tool output counts in it)
         made = calls.run(batch, tokens, out, j, room=~full) if calls else []  # [(wave row, ToolCall)]

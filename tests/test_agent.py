@@ -195,7 +195,7 @@ def test_an_interrupted_agent_run_resumes_exactly_and_logs_its_tool_use(tiny_dir
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setattr(t3rl, "Interpreter", CountingInterpreter)
-    options = dict(agent=True, agent_max_calls=2, max_new_tokens=24)
+    options = dict(agent=True, agent_max_calls=2, max_new_tokens=24, max_steps=3)
     straight = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "a", **options)))
     with interrupted_at_update(monkeypatch, 3), pytest.raises(SystemExit):
         t3rl.main(tiny_argv(tiny_dir, tmp_path / "b", **options))

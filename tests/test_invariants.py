@@ -141,10 +141,10 @@ def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, t
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    straight = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "a")))
+    straight = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "a", max_steps=3)))
 
     with interrupted_at_update(monkeypatch, 3), pytest.raises(SystemExit) as stop:
-        t3rl.main(tiny_argv(tiny_dir, tmp_path / "b"))  # Ctrl-C: one line with the command that continues the run
+        t3rl.main(tiny_argv(tiny_dir, tmp_path / "b", max_steps=3))  # Ctrl-C: one line with the command that continues the run
     run = tmp_path / "b" / "run"
     assert stop.value.code == (f"interrupted: {run} holds every step up to its last checkpoint; continue with: "
                                f"python t3rl.py --resume {run}")

@@ -42,8 +42,8 @@ def test_kv_matches_hf_greedy_on_embedded_model(embedded_model):
     model, tokenizer = embedded_model
     prompts = ["def fibonacci(n):", "What is 12 * 13? Answer:",
                "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n"]
-    hf = generate(model, tokenizer, prompts, n=1, max_new_tokens=24, temperature=0, backend="hf")
-    kv = generate(model, tokenizer, prompts, n=1, max_new_tokens=24, temperature=0, backend="kv")
+    hf = generate(model, tokenizer, prompts, n=1, max_new_tokens=16, temperature=0, backend="hf")
+    kv = generate(model, tokenizer, prompts, n=1, max_new_tokens=16, temperature=0, backend="kv")
     assert token_rows(kv) == token_rows(hf)
     assert [[c.finish_reason for c in g] for g in kv] == [[c.finish_reason for c in g] for g in hf]
 
@@ -199,6 +199,17 @@ def test_eos_ends_a_row_with_the_eos_token_and_others_run_to_length(tokenizer):
         # the rows still running after the others left the batch decode as before
         assert token_rows(result)[1:] == token_rows(free)[1:], backend
         assert all(c.finish_reason == "length" and c.num_tokens == 12 for g in result[1:] for c in g)
+
+
+def test_an_eos_drawn_as_the_last_allowed_token_finishes_by_eos(tokenizer):
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
+    free = generate(model, None, PROMPTS[:1], n=1, max_new_tokens=12, temperature=0, ignore_eos=True)
+    stop_token = free[0][0].token_ids[3]
+    last = free[0][0].token_ids.index(stop_token) + 1  # the budget ends on the end-of-sequence token itself
+    model.generation_config.eos_token_id = stop_token
+    for backend in ("kv", "hf"):
+        c = generate(model, None, PROMPTS[:1], n=1, max_new_tokens=last, temperature=0, backend=backend)[0][0]
+        assert (c.finish_reason, c.token_ids) == ("eos", free[0][0].token_ids[:last]), backend
 
 
 def test_waves_split_by_memory_budget_give_the_same_tokens(tokenizer):
