@@ -265,10 +265,9 @@ def test_three_processes_on_steps_of_two_questions_train_like_one(sharp_dir, tmp
 
 def test_four_processes_on_a_benchmark_not_a_multiple_of_the_step_train_like_one(sharp_dir, tmp_path, monkeypatch,
                                                                                   patched):
-    """5 questions in steps of 2: the last step has one question for four processes, and is kept (--no-drop-last)."""
-    questions = QUESTIONS + [("What is 5 + 5?", "10")]
-    one, many = train_like_one(sharp_dir, tmp_path, monkeypatch, 4, questions, episodes=1, max_steps=0,
-                               eval_samples=0, verify=False, save_every=3, drop_last=False)
+    """3 questions in steps of 2: the last step has one question for four processes, and is kept (--no-drop-last)."""
+    one, many = train_like_one(sharp_dir, tmp_path, monkeypatch, 4, QUESTIONS[:3], episodes=1, max_steps=0,
+                               eval_samples=0, verify=False, drop_last=False)
     assert_trained_alike(one, many)
     train_rows = [r for r in rows(many, "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["questions"] for r in train_rows] == [2, 2, 1]
+    assert [r["questions"] for r in train_rows] == [2, 1]
