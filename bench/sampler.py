@@ -97,10 +97,12 @@ def decode_floor(model, rows, context, dtype, bandwidth, flops_rate):
 def matmul_seconds(model, rows, dtype, device) -> float:
     """One decode step's matrix products alone (every layer's projections and the head) on `rows` rows with
     the model's weights, at their best: what a step would cost if nothing else took any time."""
-    w = model_weights(model, dtype)
-    linears = [lin for layer in w.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [w.head]
-    inputs = {lin.in_features: torch.randn(rows, lin.in_features, dtype=dtype, device=device) for lin in linears}
-    return 1 / _rate(lambda: [lin(inputs[lin.in_features]) for lin in linears], device, 1.0)
+    w, config = model_weights(model, dtype), model.config
+    hidden, attention = config.hidden_size, config.num_attention_heads * head_dim_of(config)
+    products = [(lin, width) for layer in w.layers for lin, width in ((layer.qkv, hidden), (layer.o, attention),
+                (layer.gate_up, hidden), (layer.down, config.intermediate_size))] + [(w.head, hidden)]
+    inputs = {width: torch.randn(rows, width, dtype=dtype, device=device) for _, width in products}
+    return 1 / _rate(lambda: [lin(inputs[width]) for lin, width in products], device, 1.0)
 
 
 def bench(spec, device, ns, max_new_tokens, compile, dtypes):

@@ -268,3 +268,20 @@ def test_bad_arguments_raise_a_clear_error(tokenizer, kwargs, match):
     args = dict(prompts=PROMPTS, n=2, max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=match):
         generate(make_tiny_model(len(tokenizer)), tokenizer, **args)
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_benchmarks_matmul_floor_runs_every_product_of_a_decode_step(tiny_model, dtype, monkeypatch):
+    """bench.sampler's `matmuls ms` column: each of a step's products (qkv, o, gate_up, down per layer, then
+    the head) runs on `rows` inputs of its own width, whichever Linear the sampler builds for this dtype."""
+    import bench.sampler
+    steps = []
+    monkeypatch.setattr(bench.sampler, "_rate", lambda step, device, seconds: steps.append(step()) or 1.0)
+    assert bench.sampler.matmul_seconds(tiny_model, 3, dtype, torch.device("cpu")) == 1.0
+    c = tiny_model.config
+    head = c.hidden_size // c.num_attention_heads
+    layer = [(c.num_attention_heads + 2 * c.num_key_value_heads) * head, c.hidden_size, 2 * c.intermediate_size,
+             c.hidden_size]
+    assert [tuple(out.shape) for out in steps[0]] == [(3, width) for width in layer * c.num_hidden_layers + [
+        c.vocab_size]]
