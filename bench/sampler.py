@@ -23,6 +23,7 @@ import sampler
 from model import load_model, offline_model
 from sampler import generate, head_dim_of, model_weights, prefix_plan
 from domains import MATH
+from grpo import bf16_supported
 from verifier import verifier_prompt
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # git show reads sampler.py's history here
@@ -151,8 +152,8 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
         print(f"{n:>3} {label:<24} {backend:<10} {tps:>8.1f} {step_s * 1e3:>8.1f} {tps / hf[4]:>6.2f} "
               f"{by_bytes * 1e3:>16.1f} {by_flop * 1e3:>15.1f} {step_s / max(by_bytes, by_flop):>7.2f} "
               f"{matmuls * 1e3:>10.1f}")
-    print(f"matmul rate: float32 {rates[torch.float32] / 1e9:.0f} GFLOP/s, "
-          f"bfloat16 {rates[torch.bfloat16] / 1e9:.0f} GFLOP/s; x hf compares with hf in the same dtype "
+    print(f"matmul rate: float32 {rates[torch.float32] / 1e9:.3g} GFLOP/s, "
+          f"bfloat16 {rates[torch.bfloat16] / 1e9:.3g} GFLOP/s; x hf compares with hf in the same dtype "
           f"(bfloat16 for the dtype=bf16 row); x floor = ms/step over the larger floor; matmuls = the step's matrix "
           f"products alone, timed on their own with these weights")
 
@@ -264,9 +265,9 @@ def main():
                         help="an offline model: 'embedded' (default), 'coder-1.5b'; 'qwen2.5-1.5b' (random weights) or a config.json path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--n", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
-                        help="model dtypes to run (bfloat16 adds the dtype=bf16 row on float32 weights; "
-                             "--verifier-prompts takes the first)")
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
+                        help="model dtypes to run (default: float32, and bfloat16 where the device runs it natively; "
+                             "bfloat16 adds the dtype=bf16 row on float32 weights; --verifier-prompts takes the first)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--compile", action="store_true", help="add rows with the kv decode step under torch.compile")
     parser.add_argument("--verifier-prompts", action="store_true",
@@ -275,7 +276,10 @@ def main():
     parser.add_argument("--rollouts", type=int, default=4, help="--verifier-prompts: written rollouts per problem")
     parser.add_argument("--baseline", default=BASELINE_REV, help="--verifier-prompts: git revision of the old path")
     args = parser.parse_args()
-    dtypes = [getattr(torch, name) for name in args.dtypes]
+    native = bf16_supported(torch.device(args.device))
+    if args.dtypes is None and not native:  # an AVX2 CPU multiplies bfloat16 some 400x slower than float32
+        print(f"bfloat16 left out: {args.device} has no native bfloat16 (pass --dtypes bfloat16 to time it anyway)")
+    dtypes = [getattr(torch, name) for name in args.dtypes or ["float32"] + ["bfloat16"] * native]
     if args.verifier_prompts:
         bench_verifier(args.model_config, args.device, dtypes[0], args.max_new_tokens, args.problems, args.rollouts,
                        args.baseline)
