@@ -77,7 +77,8 @@ class Config:
     max_new_tokens: int = option(2560, "policy tokens per rollout", AT_LEAST_ONE)
     backend: str = option("kv", "policy's sampler: the hand-written KV-cache sampler, transformers generate, or the vLLM "
                           "engine (colocated, weights synced before each sampling call that follows an update)", BACKENDS)
-    sample_dtype: str = option("auto", "sampling compute dtype (auto: bfloat16 where supported)",
+    sample_dtype: str = option("auto", "sampling compute dtype (auto: bfloat16 where supported, fixed in the run's "
+                                       "config.json when it starts)",
                                ("auto", "float32", "bfloat16"))
     answer_rule: str = option("strict", "how a math rollout's answer is read: strict (a box or a stated answer, else "
                               "none: no vote, reward 0) | last-number (else the last number, TTRL's original parser)",
@@ -261,6 +262,8 @@ def new_config(given: dict) -> Config:
     for key, value in given.items():
         setattr(cfg, key, value)
     cfg.preset = preset
+    if cfg.sample_dtype == "auto":  # fixed once, like the preset: a resume on another machine samples alike
+        cfg.sample_dtype = str(sample_dtype(cfg)).removeprefix("torch.")
     check_config(cfg)
     if not cfg.run_name:
         cfg.run_name = free_run_name(cfg)
@@ -293,6 +296,9 @@ def resumed_config(given: dict) -> Config:
         setattr(cfg, key, value)
     cfg.resume = str(run_dir)
     check_config(cfg, source=f"{path}: ")
+    if cfg.sample_dtype == "bfloat16" and not bf16_supported(torch.device("cuda" if has_gpu() else "cpu")):
+        print(f"[t3rl] --resume: the run samples in bfloat16 ({path}), which this machine runs without native "
+              f"support, far slower than float32 (an AVX2 CPU: some 400x per product)", file=sys.stderr)
     return cfg
 
 

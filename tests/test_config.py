@@ -40,6 +40,22 @@ def test_cpu_preset_verifies_with_the_1_5b_and_self_verification_loads_the_polic
     assert seen == loaded and verifier[0] == "verifier" and verifier[2] == cfg.verifier_max_new_tokens
 
 
+@pytest.mark.parametrize("native,dtype", [(True, "bfloat16"), (False, "float32")])
+def test_a_new_run_fixes_its_sampling_dtype_in_its_config(monkeypatch, native, dtype, tmp_path, capsys):
+    """--sample-dtype auto is decided once, when the run starts, and saved: a resume samples in the same dtype
+    on any machine, and says so where that machine has no native bfloat16."""
+    monkeypatch.setattr(config, "bf16_supported", lambda device: native)
+    cfg = config.parse_config(["--out-dir", str(tmp_path)])
+    assert cfg.sample_dtype == dtype and config.sample_dtype(cfg) == getattr(torch, dtype)
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text(json.dumps(vars(cfg)))
+    monkeypatch.setattr(config, "bf16_supported", lambda device: not native)  # the run moves to another machine
+    resumed = config.parse_config(["--resume", str(tmp_path / "run")])
+    assert resumed.sample_dtype == dtype
+    warned = "which this machine runs without native support" in capsys.readouterr().err
+    assert warned == (dtype == "bfloat16")
+
+
 def test_paper_preset_follows_the_paper():
     cfg = config.parse_config(["--preset", "paper", "--bench", "aime2024"])
     assert (cfg.n_votes, cfg.n_train, cfg.temperature, cfg.top_p) == (64, 32, 0.6, 0.95)
