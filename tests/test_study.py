@@ -35,7 +35,8 @@ def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny
     monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # as many skipped verdicts as laziness makes
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2)))
+    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2,
+                                                                   top_p=0.95)))  # draws that leave verdicts to skip
     assert "skipped" in {r["status"] for r in rows(run, "rollouts.jsonl")}
     assert [line.split()[0] for line in study.replay(run, [1.0, 5.0]).splitlines()[2:]] == ["1", "5"]
     with pytest.raises(runs.RunDirError, match=r"--omega 2 inf: the run verified lazily"):
