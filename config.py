@@ -296,7 +296,7 @@ def resumed_config(given: dict) -> Config:
         setattr(cfg, key, value)
     cfg.resume = str(run_dir)
     check_config(cfg, source=f"{path}: ")
-    if cfg.sample_dtype == "bfloat16" and not bf16_supported(torch.device("cuda" if has_gpu() else "cpu")):
+    if cfg.sample_dtype == "bfloat16" and not native_bf16():
         print(f"[t3rl] --resume: the run samples in bfloat16 ({path}), which this machine runs without native "
               f"support, far slower than float32 (an AVX2 CPU: some 400x per product)", file=sys.stderr)
     return cfg
@@ -371,9 +371,13 @@ def verifier_backend(cfg: Config) -> str:
 def sample_dtype(cfg: Config):
     """Compute dtype for sampling: bfloat16 where the hardware runs it fast, unless the user says otherwise."""
     if cfg.sample_dtype == "auto":
-        device = torch.device("cuda" if has_gpu() else "cpu")
-        return torch.bfloat16 if bf16_supported(device) else torch.float32
+        return torch.bfloat16 if native_bf16() else torch.float32
     return getattr(torch, cfg.sample_dtype)
+
+
+def native_bf16() -> bool:
+    """Whether the device a run samples on (a GPU when there is one) runs bfloat16 natively."""
+    return bf16_supported(torch.device("cuda" if has_gpu() else "cpu"))
 
 
 def has_gpu() -> bool:

@@ -129,10 +129,10 @@ def write_bench(folder: Path, questions):
 def tiny_argv(tiny_dir, out_dir, **extra):
     # top-p 1: a tiny random model's near-uniform distribution puts every token of 152k in the nucleus, and
     # ranking them all costs more than the rest of its step (test_sampler.py tests top-p)
-    options = dict(top_p=1.0, eval_top_p=1.0, preset="cpu", model=str(tiny_dir), verifier_model="self", bench="demo", n_votes=4, n_train=2, questions_per_step=2,
+    options = dict(preset="cpu", model=str(tiny_dir), verifier_model="self", bench="demo", n_votes=4, n_train=2, questions_per_step=2,
                    max_steps=4, max_new_tokens=12, verifier_max_new_tokens=8, lr=1e-3, save_every=2,
                    eval_samples=2, eval_every=0, out_dir=str(out_dir), run_name="run", backend="kv", sample_dtype="bfloat16",
-                   bf16=False, grad_checkpointing=False)
+                   bf16=False, grad_checkpointing=False, top_p=1.0, eval_top_p=1.0)
     options.update(extra)
     flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
     return [(flag(k) if v else "--no-" + k.replace("_", "-")) if isinstance(v, bool) else f"{flag(k)}={v}"

@@ -270,7 +270,6 @@ def test_bad_arguments_raise_a_clear_error(tokenizer, kwargs, match):
         generate(make_tiny_model(len(tokenizer)), tokenizer, **args)
 
 
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_benchmarks_matmul_floor_runs_every_product_of_a_decode_step(tiny_model, dtype, monkeypatch):
     """bench.sampler's `matmuls ms` column: each of a step's products (qkv, o, gate_up, down per layer, then
