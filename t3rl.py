@@ -26,7 +26,10 @@ Run it:
 import functools
 import hashlib
 import random
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -411,16 +414,17 @@ def run_study(cfg: Config) -> Path:
 
 
 def main(argv=None):
-    """One parser, one dispatch on the mode. A user's mistake, a damaged file or Ctrl-C ends in one line."""
+    """One parser, one dispatch on the mode. A user's mistake, a damaged file, Ctrl-C or SIGTERM ends in one line."""
     command = None
     try:
-        command = parse_command(argv)
-        if command.mode == "replay":
-            print(replay(command.replay_dir, command.omegas))
-        elif command.mode == "study":
-            run_study(command.cfg)
-        else:  # train, and eval: train stops after the baseline evaluation
-            train(command.cfg)
+        with sigterm_as_ctrl_c():
+            command = parse_command(argv)
+            if command.mode == "replay":
+                print(replay(command.replay_dir, command.omegas))
+            elif command.mode == "study":
+                run_study(command.cfg)
+            else:  # train, and eval: train stops after the baseline evaluation
+                train(command.cfg)
     except (OptionError, DataError, ModelLoadError, RunDirError) as err:
         raise SystemExit(f"error: {err}") from None
     except KeyboardInterrupt:
@@ -429,6 +433,25 @@ def main(argv=None):
         run_dir = run_dir_of(command.cfg)
         raise SystemExit(f"interrupted: {run_dir} holds every step up to its last checkpoint; continue with: "
                          f"python t3rl.py --resume {run_dir}") from None
+
+
+@contextmanager
+def sigterm_as_ctrl_c():
+    """SIGTERM (a Slurm time limit or scancel, a launcher stopping the other processes when one fails) raises
+    KeyboardInterrupt, so the run ends as after Ctrl-C: the sandbox pool and the trackers close and the resume
+    command is printed, instead of the process dying where it stands. Python takes signals in the main thread
+    only; elsewhere SIGTERM keeps its handler."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -157,6 +157,47 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+SIGTERMED = """import os, signal, sys
+sys.path.insert(0, {root!r})
+import domains
+import t3rl
+domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
+t3rl.build_verifier = lambda cfg, device: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
+real_step, calls = t3rl.grpo_step, []
+
+
+def stopped_at_third_update(*args, **kwargs):  # SIGTERM in the middle of step 3 (the checkpoint is at step 2)
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real_step(*args, **kwargs)
+
+
+t3rl.grpo_step = stopped_at_third_update
+t3rl.main()
+"""
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does_and_it_resumes(tiny_dir, tmp_path, monkeypatch, patched):
+    """A scheduler's SIGTERM (a time limit, scancel) ends the run with the resume line, not with a dead process."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    script = tmp_path / "sigtermed.py"
+    script.write_text(SIGTERMED.format(root=str(ROOT)))
+    env = {**os.environ, "T3RL_DATA_DIR": str(tmp_path / "data"), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), *tiny_argv(tiny_dir, tmp_path / "out", max_steps=3)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    run = tmp_path / "out" / "run"
+    assert done.returncode == 1, done.stderr[-3000:]  # SystemExit with a message; SIGTERM's default is -15
+    assert (f"interrupted: {run} holds every step up to its last checkpoint; continue with: python t3rl.py "
+            f"--resume {run}") in done.stderr.splitlines()
+    assert [r["step"] for r in rows(run, "metrics.jsonl") if r["kind"] == "train"] == [0, 1]
+
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    t3rl.train(config.parse_config(["--resume", str(run)]))  # from the checkpoint at 2: step 3, the final eval
+    metrics = rows(run, "metrics.jsonl")
+    assert [r["step"] for r in metrics if r["kind"] == "train"] == [0, 1, 2] and metrics[-1].get("final")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
