@@ -34,6 +34,8 @@ TOOL_INSTRUCTION = ("\nYou may use Python to compute: a block\n```python\nCODE\n
 # a whole block, up to its closing fence (the tokens since the row's last output: an earlier block is not seen)
 PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
 OUTPUT_CHARS = 1000  # longer output keeps its end (where the result is printed), marked as cut
+# a block in a rollout's text, closed or cut off by the token budget
+CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n.*?(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
 
 @dataclass
@@ -70,6 +72,15 @@ class Interpreter:
             calls.append(ToolCall(code, result.status, output,
                                   self.tokenizer(text, add_special_tokens=False).input_ids))
         return calls
+
+
+def answer_text(completion) -> str:
+    """The text a rollout's answer is read from: what the policy stated. Its tool's output is not (a call
+    that prints 'The answer is 12' states nothing), nor is the code it asked to run; a rollout sampled
+    without the tool is its whole text."""
+    if completion.tool_calls is None:
+        return completion.text
+    return CODE_BLOCK.sub("", completion.policy_text)
 
 
 def shown_output(result) -> str:

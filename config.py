@@ -21,7 +21,7 @@ from accelerate.utils import LoggerType
 from benchmarks import BENCHES
 from domains import ANSWER_RULES, domain_of
 from engine import INSTALL_HINT as VLLM_INSTALL_HINT, vllm_installed
-from grpo import bf16_supported
+from grpo import AGGREGATIONS, bf16_supported
 from model import check_spec
 from runs import run_started, tracker_names
 from sampler import BACKENDS
@@ -72,7 +72,8 @@ class Config:
     episodes: int = option(10, "passes over the benchmark (paper: 10 MATH-500, 30 AMC, 80 AIME 2024)", AT_LEAST_ONE)
     max_steps: int = option(0, "stop after this many steps (0 = as many as the episodes take)", COUNT)
     drop_last: bool = option(True, "drop each episode's last partial step, as verl's dataloader does (drop_last=True)")
-    temperature: float = option(0.6, "rollout sampling temperature (0 = greedy)", NON_NEGATIVE)
+    temperature: float = option(0.6, "rollout sampling temperature (> 0: GRPO's ratio needs the log-probs of the "
+                                "distribution the rollouts came from)", POSITIVE)
     top_p: float = option(0.95, "rollout nucleus sampling mass", Range(0, 1, low_open=True, high_open=False))
     max_new_tokens: int = option(2560, "policy tokens per rollout", AT_LEAST_ONE)
     backend: str = option("kv", "policy's sampler: the hand-written KV-cache sampler, transformers generate, or the vLLM "
@@ -89,9 +90,12 @@ class Config:
                           "with --replay)", Range(1, high_open=False))
     verify_budget: int = option(0, "verify at most K rollouts per answer class, the rest inherit (0 = verify all)", COUNT)
     lazy_verify: bool = option(False, "verify only the rollouts whose verdicts can still change the pseudo-label: the "
-                               "labels and rewards of verifying all, at fewer verifier prompts (one or two calls a step)")
+                               "labels and rewards of verifying all, at fewer verifier prompts (one or two calls a step); "
+                               "at omega 1 no verdict can, so every rollout is verified for the monitors")
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
+    verifier_top_p: float = option(0.95, "verifier nucleus sampling mass (the paper's 0.95, whatever the policy's)",
+                                   Range(0, 1, low_open=True, high_open=False))
     verifier_backend: str = option("auto", "verifier's sampler (auto: the policy's --backend)", ("auto", *BACKENDS))
     sandbox_timeout: float = option(5.0, "seconds each program (the verifier's, the agent's) may run", POSITIVE)
     # TTRL-Agent (agent.py): the policy calls the interpreter itself
@@ -114,8 +118,13 @@ class Config:
                                  "inf = off)", Range(1, low_open=True, high_open=False))
     kl_coef: float = option(0.0, "KL loss to the starting policy, verl's low_var_kl (paper: 0; TTRL's scripts: 0.001)",
                             NON_NEGATIVE)
-    loss_agg: str = option("token-mean", "loss aggregation", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"))
+    loss_agg: str = option("token-mean", "loss aggregation (grpo.py): token-mean over the mini-batch, or "
+                           "micro-token-mean, verl's (a token-mean per micro-batch, weighted by its share of the "
+                           "mini-batch's rollouts; TTRL's scripts)", AGGREGATIONS)
     micro_batch_tokens: int = option(8192, "tokens per micro-batch (gradient accumulation over the rest)", AT_LEAST_ONE)
+    micro_batch_rollouts: int = option(0, "rollouts per micro-batch, in order, whatever their length (verl's "
+                                       "ppo_micro_batch_size_per_gpu; TTRL's scripts: 2); 0 = as many as "
+                                       "--micro-batch-tokens holds", COUNT)
     grad_checkpointing: bool = option(True, "recompute activations in the backward pass to save memory")
     bf16: bool = option(True, "bfloat16 autocast over float32 master weights where the hardware supports it")
     # the inference engine (--backend vllm)
@@ -152,13 +161,15 @@ PRESETS = {
     # the T3RL paper; where it is silent, TTRL's scripts, which it builds on
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500",
                   temperature=0.6, top_p=0.95, max_new_tokens=2560, kl_coef=0.0, lr_schedule_unit="step",
-                  answer_rule="strict", drop_last=True, eval_every=2, eval_temperature=0.6, eval_top_p=0.95),
+                  loss_agg="micro-token-mean", micro_batch_rollouts=2, answer_rule="strict", drop_last=True,
+                  eval_every=2, eval_temperature=0.6, eval_top_p=0.95),
     # TTRL's verl 0.4.1 scripts: the TTRL row, no verifier (--verify puts T3RL's on the same settings)
     "ttrl": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500",
                  verify=False, omega=1.0, n_votes=64, n_train=32, temperature=1.0, top_p=1.0, max_new_tokens=3072,
                  lr=5e-7, warmup_ratio=0.03, lr_schedule_unit="step", mini_batch_questions=1, kl_coef=0.001,
-                 clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0, answer_rule="strict", drop_last=True,
-                 eval_every=2, eval_samples=16, eval_temperature=0.6, eval_top_p=0.95),
+                 clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0, loss_agg="micro-token-mean", micro_batch_rollouts=2,
+                 answer_rule="strict", drop_last=True, eval_every=2, eval_samples=16, eval_temperature=0.6,
+                 eval_top_p=0.95),
     # the kv sampler for both roles: on CPUs it is faster than vLLM's CPU engine (docs/results.md, engine bench)
     "cpu": dict(bench="demo", verifier_model="coder-1.5b", backend="kv", verifier_backend="kv", n_votes=8, n_train=4,
                 questions_per_step=3, max_steps=4, max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
@@ -322,6 +333,10 @@ def check_config(cfg: Config, source: str = ""):
     """Every option against what it allows, then the ones that depend on each other, then the model names
     (cheaply: a path that exists, a GGUF's magic, a Hub id that is cached or reachable), before anything loads."""
     try:
+        if isinstance(cfg.temperature, (int, float)) and not cfg.temperature > 0:
+            raise OptionError(f"--temperature {cfg.temperature}: must be > 0; GRPO's ratio needs the log-probs of "
+                              f"the distribution the rollouts came from, which greedy decoding does not have "
+                              f"(greedy@1 is evaluated anyway)")
         for f in fields(Config):
             check_value(f.name, getattr(cfg, f.name))
         if cfg.answer_rule != "strict" and domain_of(cfg.bench).name != "math":

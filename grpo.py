@@ -20,6 +20,8 @@ and a group whose rewards are all equal teaches nothing (A = 0). The update mini
 with B responses in the batch, |o_i| their lengths and AGG one of
 
     token-mean                 sum_it l_it / sum_i |o_i|
+    micro-token-mean           sum_k (B_k / B) token-mean over micro-batch k of B_k responses (verl's
+                               update_policy: its cut into micro-batches decides the weights)
     seq-mean-token-mean        (1/B) sum_i (1/|o_i|) sum_t l_it
     seq-mean-token-sum-norm    sum_it l_it / (B * L_max)         (Dr. GRPO, L_max = max new tokens)
 
@@ -71,7 +73,7 @@ from functools import partial
 
 import torch
 
-AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGGREGATIONS = ("token-mean", "micro-token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 # ----------------------------------------------------------------------------- the update
@@ -91,6 +93,7 @@ class GRPOSettings:
     scale_advantages: bool = True           # divide by the group's std (False: Dr. GRPO)
     temperature: float = 1.0                # T: the sampling temperature, log pi = log softmax(logits / T)
     token_budget: int = 4096                # padded tokens per micro-batch (gradient accumulation)
+    micro_batch_rollouts: int = 0           # > 0: micro-batches of that many rollouts, in order (verl's fixed size)
     max_grad_norm: float = 1.0
     bf16: bool | None = None                # bfloat16 autocast over float32 weights (None: where supported)
     gradient_checkpointing: bool = False
@@ -192,7 +195,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
     """Reduce per-token values [B, T] over the valid tokens (mask [B, T]) to a scalar, by name (see top)."""
     mask = mask.to(values.dtype)
     total = values * mask                                                        # [B, T]
-    if agg == "token-mean":
+    if agg in ("token-mean", "micro-token-mean"):  # one micro-batch's part: _plan weights micro-batches
         return total.sum() / mask.sum().clamp(min=1)
     if agg == "seq-mean-token-mean":
         return (total.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
@@ -381,9 +384,12 @@ def pad_batch(prompts, completions, device=None, tool_masks=None):
     return input_ids.to(device), attention_mask.to(device), response_mask.to(device)
 
 
-def micro_batches(lengths, token_budget: int) -> list[list[int]]:
+def micro_batches(lengths, token_budget: int, rollouts: int = 0) -> list[list[int]]:
     """Indices split into micro-batches whose padded size (rows x longest) fits token_budget. Longest first,
-    so neighbours have similar lengths and little padding; a sequence over the budget goes alone."""
+    so neighbours have similar lengths and little padding; a sequence over the budget goes alone. rollouts
+    > 0: runs of that many indices in order, whatever their lengths (verl's ppo_micro_batch_size_per_gpu)."""
+    if rollouts:
+        return [list(range(i, min(i + rollouts, len(lengths)))) for i in range(0, len(lengths), rollouts)]
     batches = []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
@@ -409,15 +415,15 @@ def make_optimizer(model, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.9
 
 
 def cosine_schedule(optimizer, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.0):
-    """LambdaLR: linear warmup to the peak lr over warmup_steps (first step already nonzero), then cosine
-    decay to min_lr_ratio x peak at total_steps; flat after."""
+    """LambdaLR: linear warmup from 0 to the peak lr over warmup_steps (verl's: lr 0 at step 0), then
+    cosine decay to min_lr_ratio x peak at total_steps; flat after."""
     if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
         raise ValueError(f"cosine_schedule: need total_steps >= 1 and 0 <= warmup_steps <= total_steps, "
                          f"got total_steps={total_steps}, warmup_steps={warmup_steps}")
 
     def multiplier(step):
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
+        if step < warmup_steps:  # verl's warmup: lr 0 at step 0
+            return step / warmup_steps
         progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
         return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -496,6 +502,7 @@ def _plan(batch: Rollouts, advantages, s: GRPOSettings, accelerator):
     per_step = s.mini_batch_groups or groups
 
     def size(index):  # a set of rollouts' part of L's normaliser: the policy's tokens (token-mean) or sequences
+        # (every other aggregation, micro-token-mean included: verl weights a micro-batch by its rollouts)
         return sum(batch.policy_tokens(i) for i in index) if s.agg == "token-mean" else len(index)
 
     plan = []
@@ -509,7 +516,7 @@ def _plan(batch: Rollouts, advantages, s: GRPOSettings, accelerator):
             mine, share = [rollouts[0]], 0.0
         lengths = [len(prompts[i]) + len(completions[i]) for i in mine]
         plan.append([])
-        for index in micro_batches(lengths, s.token_budget):
+        for index in micro_batches(lengths, s.token_budget, s.micro_batch_rollouts):
             index = [mine[j] for j in index]
             masks = None if batch.tool_masks is None else [batch.tool_masks[i] for i in index]
             padded = pad_batch([prompts[i] for i in index], [completions[i] for i in index], advantages.device, masks)

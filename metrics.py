@@ -38,11 +38,18 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
     correct = [is_correct(a, rec["answer"], dom) for a in answers]
     results = [res for res in verdicts if res is not None]
     stats["verified"] = sum(vote.v)
-    stats["verified_correct"] = sum(vi and ci for vi, ci in zip(vote.v, correct))
     stats["correct"] = sum(correct)
     stats["no_answer"] = sum(a is None for a in answers)
-    # recall's denominator: the right rollouts that got a verdict (a skipped one was never asked)
-    stats["correct_judged"] = sum(ci for ci, res in zip(correct, verdicts) if res is None or res.status != "skipped")
+    # the verifier's precision and recall count the rollouts it judged: not a skipped one (never asked), not
+    # one that inherited its class's verdict (--verify-budget), whose count is the class's size
+    judged = [res is not None and not res.inferred and res.status not in ("skipped", "no_answer")
+              for res in verdicts]
+    inherited = [res is not None and res.inferred for res in verdicts]
+    stats["judged_verified"] = sum(vi and x for vi, x in zip(vote.v, judged))
+    stats["verified_correct"] = sum(vi and ci and x for vi, ci, x in zip(vote.v, correct, judged))
+    stats["correct_judged"] = sum(ci and x for ci, x in zip(correct, judged))
+    stats["inherited_verified"] = sum(vi and x for vi, x in zip(vote.v, inherited))
+    stats["inherited_verified_correct"] = sum(vi and ci and x for vi, ci, x in zip(vote.v, correct, inherited))
     stats["statuses"] = [res.status for res in results]
     stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
     stats["verifier_calls_saved"] = sum(res.inferred or res.status == "skipped" for res in results)
@@ -60,17 +67,21 @@ def step_metrics(step, per_question, update, seconds) -> dict:
     for key in ("label_accuracy", "majority_label_accuracy", "reward_accuracy", "majority_ratio",
                 "ground_truth_ratio", "verified_ratio", "flipped", "flip_fixed", "flip_broke", "pass@N"):
         row[key] = mean([q[key] for q in per_question])
-    verified = sum(q["verified"] for q in per_question)
     statuses = [s for q in per_question for s in q["statuses"]]  # empty when no rollout went to the verifier
     row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
-    # the verifier against the hidden gold answers (reporting only): precision = right share of the verified,
-    # recall = verified share of the right rollouts it judged; neither exists where nothing was verified (--no-verify)
-    row["verified_rollouts"], row["correct_rollouts"] = verified, sum(q["correct"] for q in per_question)
-    row["correct_judged_rollouts"] = sum(q["correct_judged"] for q in per_question)
-    row["verified_correct"] = sum(q["verified_correct"] for q in per_question)
-    row["verifier_precision"] = row["verified_correct"] / verified if verified else None
+    # the verifier against the hidden gold answers (reporting only), over the rollouts it judged: precision =
+    # right share of the verified, recall = verified share of the right; None where it judged none
+    # (--no-verify); the verdicts inherited under --verify-budget apart
+    total = lambda key: sum(q[key] for q in per_question)  # noqa: E731
+    row["correct_rollouts"] = total("correct")
+    row["verified_rollouts"], row["verified_correct"] = total("judged_verified"), total("verified_correct")
+    row["correct_judged_rollouts"] = total("correct_judged")
+    row["inherited_verified_rollouts"] = total("inherited_verified")
+    row["inherited_verified_correct"] = total("inherited_verified_correct")
+    row["verifier_precision"] = (row["verified_correct"] / row["verified_rollouts"]
+                                 if row["verified_rollouts"] else None)
     row["verifier_recall"] = (row["verified_correct"] / row["correct_judged_rollouts"]
-                              if statuses and row["correct_judged_rollouts"] else None)
+                              if row["correct_judged_rollouts"] else None)
     lengths = [n for q in per_question for n in q["response_tokens"]]
     # rollouts that state no answer: no vote, reward 0 (the implicit format reward of --answer-rule strict)
     row["no_answer_ratio"] = sum(q["no_answer"] for q in per_question) / max(len(lengths), 1)
@@ -220,6 +231,10 @@ def summary(run_dir: Path) -> str:
         judged = sum(r.get("correct_judged_rollouts", r["correct_rollouts"]) for r in verifying)
         for name, of in (("verifier precision", verified), ("verifier recall", judged)):
             lines.append(f"{name:<28}" + (f"{hits / of:>10.3f}" if of else f"{'-':>10}"))
+        inherited = sum(r.get("inherited_verified_rollouts", 0) for r in verifying)
+        if inherited:  # --verify-budget: the verdicts the rollouts took from their class, counted apart
+            right = sum(r["inherited_verified_correct"] for r in verifying)
+            lines.append(f"{'inherited: verified, right':<28}{inherited:>10}{right:>10}")
         lines.append(f"{'flips (fixed / broke)':<28}{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
                      f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
                      f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")

@@ -104,6 +104,8 @@ class Completion:
     # calls made, in order
     tool_mask: list[bool] | None = None
     tool_calls: list | None = None
+    # what the policy wrote, without the tool's output: the text its answer is read from (None: no tokenizer)
+    policy_text: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -164,10 +166,18 @@ def generate(model, tokenizer, prompts, n: int, max_new_tokens: int, *, temperat
         else:
             rows = _generate_hf(model, tokenizer, prompt_ids, n, sampling,
                                 seed if isinstance(seed, int) else prompt_seeds, eos_ids, ignore_eos)
-    decode = (lambda tokens: None) if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=True)
     # a row: token ids, finish reason, then as the backend reports them logprob, token_logprobs, tool_mask, tool_calls
-    return [[Completion(ids, tokens, decode(tokens), reason, *rest)
-             for tokens, reason, *rest in rows[p * n:(p + 1) * n]] for p, ids in enumerate(prompt_ids)]
+    return [[_completion(tokenizer, ids, *row) for row in rows[p * n:(p + 1) * n]]
+            for p, ids in enumerate(prompt_ids)]
+
+
+def _completion(tokenizer, prompt_ids, tokens, reason, *rest) -> Completion:
+    c = Completion(prompt_ids, tokens, None, reason, *rest)
+    if tokenizer is not None:
+        c.text = tokenizer.decode(tokens, skip_special_tokens=True)
+        own = [t for t, tool in zip(tokens, c.tool_mask) if not tool] if c.tool_mask else None
+        c.policy_text = c.text if own is None else tokenizer.decode(own, skip_special_tokens=True)
+    return c
 
 
 @dataclass

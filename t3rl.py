@@ -30,7 +30,7 @@ import signal
 import sys
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from accelerate import Accelerator
 from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
-from agent import TOOL_INSTRUCTION, Interpreter
+from agent import TOOL_INSTRUCTION, Interpreter, answer_text
 from benchmarks import load_bench
 from config import Config, OptionError, has_gpu, parse_command, sample_dtype, sampler_options, verifier_backend
 from domains import MATH_INSTRUCTION, domain_of
@@ -68,9 +68,9 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
         seeds = [question_seed(cfg.seed, step, rec["id"], "rollout") for rec in shard]
         groups = sample_groups(accelerator.unwrap_model(learner.policy), learner.tokenizer, shard, cfg, cfg.n_votes,
                                temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds, tools=learner.tools)  # [q][N]
-        answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, groups)]
+        answers = read_answers(shard, groups, dom)  # from the policy's own tokens, not a tool's output
     with clock("verify"):  # 2. v_i = 1 when the verifier's program, run in the sandbox, reproduces a_i
-        verdicts = verify_groups(shard, groups, answers, learner.verifier, learner.pool, cfg)  # [q][N]
+        verdicts = verify_groups(shard, groups, answers, learner.verifier, learner.pool, cfg, step=step)
     votes = []
     for rec, ans, ver in zip(shard, answers, verdicts):
         v = [0 if res is None else res.v for res in ver]
@@ -156,16 +156,29 @@ def instruction_of(cfg: Config, agent: bool) -> str:
     return domain_of(cfg.bench).instruction + (TOOL_INSTRUCTION if agent else "")
 
 
-def verify_groups(records, groups, answers, verifier, pool, cfg: Config):
+def read_answers(records, groups, dom) -> list[list[str | None]]:
+    """a_i of every rollout, [q][N], read from what the policy stated (an agent's code and tool output left
+    out: agent.answer_text)."""
+    return [[dom.extract(answer_text(c), rec["problem"]) for c in group] for rec, group in zip(records, groups)]
+
+
+def verify_groups(records, groups, answers, verifier, pool, cfg: Config, *, step: int, purpose: str = "verify"):
     """v_i for every rollout of every question, through one batched verifier call and one sandbox batch (up to
-    two of each with --lazy-verify)."""
+    two of each with --lazy-verify). Each program is seeded by (run seed, step, question, purpose, rollout),
+    as the rollouts are, so a resumed run writes the same programs. Lazy verification skips nothing at
+    omega 1, where no verdict can change the label: there the verifier runs for the monitors."""
     if not cfg.verify:
         return [[None] * len(group) for group in groups]
     problems = [rec["problem"] for rec, group in zip(records, groups) for _ in group]
+    keys = [q for q, group in enumerate(groups) for _ in group]  # two questions may share a text
+    seeds = [question_seed(cfg.seed, step, rec["id"], f"{purpose}|{i}")
+             for rec, group in zip(records, groups) for i in range(len(group))]
     texts = [c.text for group in groups for c in group]
     flat = [a for group in answers for a in group]
-    results = verify_batch(problems, texts, flat, verifier, domain_of(cfg.bench, cfg.answer_rule), pool, budget=cfg.verify_budget,
-                           omega=cfg.omega if cfg.lazy_verify else None)
+    lazy = cfg.lazy_verify and cfg.omega > 1
+    results = verify_batch(problems, texts, flat, verifier, domain_of(cfg.bench, cfg.answer_rule), pool,
+                           budget=cfg.verify_budget, omega=cfg.omega if lazy else None, groups=keys,
+                           seeds=seeds)
     it = iter(results)
     return [[next(it) for _ in group] for group in groups]
 
@@ -193,6 +206,7 @@ def log_rollouts(step, shard, groups, answers, verdicts, votes, learner: Learner
         for i, (c, res) in enumerate(zip(group, ver)):  # res is None with --no-verify
             rows.append({"step": step, "id": rec["id"], "index": i, "text": c.text, "answer": ans[i], "v": vote.v[i],
                          "result": res and res.result, "status": res and res.status,
+                         "inherited": res and res.inferred,
                          "reward": vote.rewards[i], "label": vote.label, "kept": i in vote.keep,
                          "program": res and res.code, **tool_calls_row(c)})
     rows = gather_object(rows)
@@ -227,10 +241,11 @@ def evaluate(policy, tokenizer, records, cfg: Config, accelerator, verifier, poo
     flat = sample_groups(unwrapped, tokenizer, runs, cfg, 1, temperature=cfg.eval_temperature, top_p=cfg.eval_top_p,
                          seeds=seeds, progress="eval", tools=tools)
     sampled = [[flat[j * len(shard) + i][0] for j in range(k)] for i in range(len(shard))]  # [q][k]
-    answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(shard, sampled)]
-    verdicts = verify_groups(shard, sampled, answers, verifier, pool, cfg) if k and verifier else [None] * len(shard)
-    rows = [eval_row(rec, dom.extract(g[0].text, rec["problem"]), a, [r.v for r in v] if v else None, dom, cfg.omega)
-            for rec, g, a, v in zip(shard, greedy, answers, verdicts)]
+    answers = read_answers(shard, sampled, dom)
+    verdicts = (verify_groups(shard, sampled, answers, verifier, pool, cfg, step=-1, purpose="eval")
+                if k and verifier else [None] * len(shard))
+    rows = [eval_row(rec, g[0], a, [r.v for r in v] if v else None, dom, cfg.omega)
+            for rec, g, a, v in zip(shard, read_answers(shard, greedy, dom), answers, verdicts)]
     return eval_metrics(gather_object(rows), k)
 
 
@@ -263,7 +278,9 @@ def train(cfg: Config) -> Path:
     with accelerator.main_process_first():  # the main process sets a damaged checkpoint aside before the others look
         checkpoint, state = load_checkpoint(run_dir) if cfg.resume else (None, None)
 
-    policy, tokenizer = load_model(str(checkpoint / "model") if checkpoint else cfg.model)
+    # float32 master weights whatever the source's dtype (an offline model's cache is bfloat16): an AdamW
+    # step of 5e-7 rounds away in bfloat16; sampling casts to its own dtype
+    policy, tokenizer = load_model(str(checkpoint / "model") if checkpoint else cfg.model, dtype=torch.float32)
     check_prompts_fit(records, tokenizer, policy, cfg)
     verifier = build_verifier(cfg, accelerator.device)
     ref_model = load_model(cfg.model)[0].requires_grad_(False).to(accelerator.device) if cfg.kl_coef > 0 else None
@@ -350,7 +367,7 @@ def build_verifier(cfg: Config, device, loaded=None):
     vmodel, vtok = loaded or load_model(spec, dtype=sample_dtype(cfg))
     vmodel.requires_grad_(False).to(device)
     return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,
-                          temperature=cfg.verifier_temperature, top_p=cfg.top_p, seed=cfg.seed,
+                          temperature=cfg.verifier_temperature, top_p=cfg.verifier_top_p, seed=cfg.seed,
                           backend=verifier_backend(cfg))
 
 
@@ -371,6 +388,7 @@ def grpo_settings(cfg: Config, device) -> GRPOSettings:
                         kl_coef=cfg.kl_coef, agg=cfg.loss_agg, lr_schedule_unit=cfg.lr_schedule_unit,
                         norm_len=cfg.max_new_tokens, scale_advantages=cfg.scale_advantages,
                         temperature=cfg.temperature, token_budget=cfg.micro_batch_tokens,
+                        micro_batch_rollouts=cfg.micro_batch_rollouts,
                         bf16=cfg.bf16 and bf16_supported(device), gradient_checkpointing=cfg.grad_checkpointing,
                         is_cap=cfg.vllm_is_cap if cfg.vllm_is_correction else None)
 
@@ -387,6 +405,7 @@ def run_study(cfg: Config) -> Path:
     dom = domain_of(cfg.bench, cfg.answer_rule)
     weights = (policy, tokenizer) if cfg.verifier_model == "self" else load_model(cfg.verifier_model,
                                                                                   dtype=sample_dtype(cfg))
+    verifier = build_verifier(cfg, device, loaded=weights)
     with SandboxPool(timeout=cfg.sandbox_timeout) as pool:
         tools = Interpreter(tokenizer, pool, cfg.agent_max_calls) if cfg.agent else None
 
@@ -396,18 +415,15 @@ def run_study(cfg: Config) -> Path:
             seeds = [question_seed(cfg.seed, -1, rec["id"], "study" + grown) for rec in batch]
             groups = sample_groups(policy, tokenizer, batch, cfg, n, temperature=cfg.temperature, top_p=cfg.top_p,
                                    seeds=seeds, progress="study")
-            answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(batch, groups)]
-            # the verifier is seeded per batch, so a resumed study draws the programs an uninterrupted one would
-            seeded = replace(cfg, seed=question_seed(cfg.seed, -1, batch[0]["id"], "verify" + grown))
-            verifier = build_verifier(seeded, device, loaded=weights)
-            verdicts = verify_groups(batch, groups, answers, verifier, pool, cfg)
+            answers = read_answers(batch, groups, dom)
+            # programs seeded per question and rollout: a resumed study writes what an uninterrupted one would
+            verdicts = verify_groups(batch, groups, answers, verifier, pool, cfg, step=-1, purpose="study" + grown)
             if not tools:
                 return groups, answers, verdicts, None
             # --agent: the same questions and seeds, the policy with its own interpreter (TTRL-Agent's rollouts)
             agent = sample_groups(policy, tokenizer, batch, cfg, n, temperature=cfg.temperature, top_p=cfg.top_p,
                                   seeds=seeds, progress="study agent", tools=tools)
-            agent_answers = [[dom.extract(c.text, rec["problem"]) for c in group] for rec, group in zip(batch, agent)]
-            return groups, answers, verdicts, list(zip(agent, agent_answers))
+            return groups, answers, verdicts, list(zip(agent, read_answers(batch, agent, dom)))
         collect(records, run_dir, sample_and_verify, cfg.questions_per_step, cfg.n_votes)
     print(report(run_dir, dom.classes, dom.equiv))
     return run_dir

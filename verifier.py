@@ -28,6 +28,7 @@ Knaves (knk.py).
 
 `python -m bench.verifier --measure` scores the offline verifiers' recall and false-verify rate.
 """
+import hashlib
 import re
 import time
 from dataclasses import dataclass
@@ -38,26 +39,33 @@ from sandbox import default_pool
 from voting import answer_classes, undecided_classes
 
 
-def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *, budget=0, omega=None):
+def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *, budget=0, omega=None,
+                 groups=None, seeds=None):
     """Tool-verify each rollout: one Verification per rollout, in order.
 
-    problems, rollouts, answers: one entry per rollout (a None answer is no_answer, without a verifier call);
-    a problem's rollouts vote together. verifier: list of VerifierPrompt -> list of VerifierReply (or str).
-    domain: a domains.Domain (its prompts, tool and agreement test). sandbox: passed to the tool (None: a
-    default pool). budget, omega: which rollouts are sent (verification_rounds); the rest inherit a verdict
-    (budget) or are "skipped" (v = 0; omega: whatever they would show, the label and rewards do not change).
+    problems, rollouts, answers: one entry per rollout (a None answer is no_answer, without a verifier call).
+    groups: one key per rollout; rollouts with the same key vote together (None: the problem's text, so two
+    questions with the same text need keys of their own). seeds: one per rollout, the verifier's sampling
+    seed for its program (VerifierPrompt.seed; None: none). verifier: list of VerifierPrompt -> list of
+    VerifierReply (or str). domain: a domains.Domain (its prompts, tool and agreement test). sandbox: passed
+    to the tool (None: a default pool). budget, omega: which rollouts are sent (verification_rounds); the rest
+    inherit a verdict (budget) or are "skipped" (v = 0; omega: whatever they would show, the label and rewards
+    do not change).
     """
-    if not len(problems) == len(rollouts) == len(answers):
-        raise ValueError(f"verify_batch: problems ({len(problems)}), rollouts ({len(rollouts)}) and answers "
-                         f"({len(answers)}) need one entry per rollout")
+    groups, seeds = groups or problems, seeds or [None] * len(problems)
+    if not len(problems) == len(rollouts) == len(answers) == len(groups) == len(seeds):
+        raise ValueError(f"verify_batch: problems ({len(problems)}), rollouts ({len(rollouts)}), answers "
+                         f"({len(answers)}), groups ({len(groups)}) and seeds ({len(seeds)}) need one entry "
+                         f"per rollout")
     if not isinstance(budget, int) or budget < 0:
         raise ValueError(f"budget={budget!r}: pass K >= 1 rollouts per answer class, or 0 to verify all")
     results = [None] * len(rollouts)
-    for classes in verification_rounds(problems, answers, results, domain, budget, omega):
+    for classes in verification_rounds(groups, answers, results, domain, budget, omega):
         sent = sorted(i for members in classes for i in (members[:budget] if budget else members))
         if sent:
             verdicts = verify_rollouts([problems[i] for i in sent], [rollouts[i] for i in sent],
-                                       [answers[i] for i in sent], verifier, domain, sandbox)
+                                       [answers[i] for i in sent], verifier, domain, sandbox,
+                                       [seeds[i] for i in sent])
             for i, verdict in zip(sent, verdicts):
                 results[i] = verdict
             inherit_verdicts(classes, results, budget)
@@ -87,10 +95,11 @@ class Verification:
 STATUSES_VERIFY = ("verified", "mismatch", "no_answer", "no_code", "exec_error", "timeout", "hardcoded", "skipped")
 
 
-def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox):
+def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox, seeds):
     """One verifier call and one tool call for these rollouts (every answer given): a Verification each."""
     start = time.perf_counter()
-    replies = verifier([verifier_prompt(problem, rollout, domain) for problem, rollout in zip(problems, rollouts)])
+    replies = verifier([verifier_prompt(problem, rollout, domain, seed)
+                        for problem, rollout, seed in zip(problems, rollouts, seeds)])
     seconds = (time.perf_counter() - start) / len(problems)
     if len(replies) != len(problems):
         raise ValueError(f"the verifier returned {len(replies)} completions for {len(problems)} prompts")
@@ -128,19 +137,20 @@ def verdict_status(run, program, problem, answer, domain) -> str:
 LAZY_SECOND_CALL = 8
 
 
-def verification_rounds(problems, answers, results, domain, budget=0, omega=None):
+def verification_rounds(groups, answers, results, domain, budget=0, omega=None):
     """The verifier calls of one batch: yields, call by call, the answer classes (lists of rollout indices)
-    whose rollouts go into it; the caller fills `results` in before asking for the next call.
+    whose rollouts go into it; the caller fills `results` in before asking for the next call. groups: one
+    key per rollout, the same for the rollouts that vote together.
 
     omega None: one call, every answered rollout. omega given (lazy verification): only the classes whose
     verdicts can still change the weighted vote at this omega (voting.undecided_classes), every one that can
     still win in one call; or, when that spares more than LAZY_SECOND_CALL prompts, in two calls: first the
     likeliest winning class of each problem, then every class that can still beat it. budget K > 0: of each
     class only the first K are sent (inherit_verdicts gives the others their class's verdict)."""
-    by_problem = {}  # problem -> its answered rollouts' indices
+    by_problem = {}  # group key -> its answered rollouts' indices
     for i, answer in enumerate(answers):
         if answer is not None:
-            by_problem.setdefault(problems[i], []).append(i)
+            by_problem.setdefault(groups[i], []).append(i)
 
     def classes_of(indices, open_only):
         """A problem's answer classes (rollout indices); open_only: those whose verdicts can change its vote."""
@@ -178,9 +188,11 @@ def inherit_verdicts(classes, results, budget):
 
 @dataclass(frozen=True)
 class VerifierPrompt:
-    """One verifier request: its domain's system prompt and the user message for one rollout."""
+    """One verifier request: its domain's system prompt and the user message for one rollout, and the seed of
+    what it is about (the run, step, question and rollout; None: its text alone seeds it)."""
     system: str
     user: str
+    seed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -193,34 +205,39 @@ class VerifierReply:
 MAX_ROLLOUT_CHARS = 4000  # the end of a rollout holds its answer: longer ones keep their last 4000 characters
 
 
-def verifier_prompt(problem, rollout, domain) -> VerifierPrompt:
+def verifier_prompt(problem, rollout, domain, seed=None) -> VerifierPrompt:
     """The request for one rollout; its reasoning is cut to the last MAX_ROLLOUT_CHARS characters (~1.2k
     tokens), so a prompt stays bounded by that, the problem and the system prompt."""
     if len(rollout) > MAX_ROLLOUT_CHARS:
         rollout = "[... beginning cut ...]\n" + rollout[-MAX_ROLLOUT_CHARS:]
     return VerifierPrompt(domain.verifier_system,
-                          domain.verifier_user.format(problem=problem.strip(), rollout=rollout.strip()))
+                          domain.verifier_user.format(problem=problem.strip(), rollout=rollout.strip()), seed)
 
 
 def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p=0.95, seed=None, backend="kv"):
     """A verifier callable around a model: list of VerifierPrompt -> list of VerifierReply, one batched
-    sampler call, each prompt in the model's chat template. With a seed, call k samples with seed + k, so
-    repeated calls (training steps) differ but a run repeats."""
+    sampler call, each prompt in the model's chat template. With a seed, each prompt samples with a seed of
+    (seed, the prompt's seed, its text): what a program is depends on what it verifies, not on the call or
+    the batch it comes in, so a resumed run writes the programs an uninterrupted one would."""
     from sampler import generate  # torch is needed only once a model verifier is built
-    calls = 0
 
     def verify(prompts):
-        nonlocal calls
         chats = [tokenizer.apply_chat_template([{"role": "system", "content": p.system},
                                                 {"role": "user", "content": p.user}], tokenize=False,
                                                add_generation_prompt=True) for p in prompts]
+        seeds = None if seed is None else [prompt_seed(seed, p) for p in prompts]
         groups = generate(model, tokenizer, chats, n=1, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, seed=None if seed is None else seed + calls, backend=backend,
+                          top_p=top_p, seed=seeds, backend=backend,
                           progress="verifier" if backend == "kv" else None, frozen=True)
-        calls += 1
         return [VerifierReply(group[0].text, group[0].num_tokens) for group in groups]
 
     return verify
+
+
+def prompt_seed(seed: int, prompt: VerifierPrompt) -> int:
+    """The sampling seed of one verifier request: its verifier's seed, its own and its text."""
+    text = f"{seed}|{prompt.seed}|{prompt.system}|{prompt.user}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=7).digest(), "big")
 
 
 VERIFIER_SYSTEM = """You are an expert mathematician and a careful Python programmer. You check a candidate \

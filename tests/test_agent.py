@@ -10,7 +10,9 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 import config
 import sampler
 import t3rl
+from domains import domain_of
 from agent import Interpreter, ToolCall
+from answers import extract_answer
 from grpo import GRPOSettings, Rollouts, cosine_schedule, grpo_step, make_optimizer, pad_batch, policy_loss
 from helpers import (QUESTIONS, final_weights, interrupted_at_update, make_tiny_model, rows, small_vocab_model,
                      tiny_argv, without_timing, write_bench)
@@ -64,6 +66,21 @@ def test_a_block_the_policy_writes_runs_and_its_real_output_comes_before_the_pol
     # the tool's tokens are marked, and they are exactly the output block
     tool_ids = [t for t, tool in zip(completion.token_ids, completion.tool_mask) if tool]
     assert tokenizer.decode(tool_ids) == "\n```output\n665\n```\n"
+
+
+@pytest.mark.parametrize("script,answer", [
+    # the call prints an answer, then the row ends: the policy stated none (strict: no vote, reward 0)
+    ("Compute.\n```python\nprint('The answer is 12')\n```|", None),
+    # the policy's box stands; what a later call prints does not replace it
+    ("So \\boxed{8}. Let me double-check.\n```python\nprint('Final answer: 7')\n```|Done.", "8"),
+])
+def test_an_agent_rollouts_answer_is_what_the_policy_stated_not_its_code_or_tool_output(tokenizer, pool, script,
+                                                                                        answer):
+    completion = scripted_text(tokenizer, pool, script)
+    assert completion.tool_calls and completion.tool_calls[0].status == "ok"
+    assert extract_answer(completion.text) not in (None, answer)  # the whole text reads the tool's line
+    assert t3rl.read_answers([{"problem": "?"}], [[completion]], domain_of("demo")) == [[answer]]
+    assert "```output" not in completion.policy_text
 
 
 def test_an_error_shows_its_last_line_and_a_loop_is_cut_by_the_timeout_and_the_row_goes_on(tokenizer):

@@ -40,6 +40,16 @@ def test_cpu_preset_verifies_with_the_1_5b_and_self_verification_loads_the_polic
     assert seen == loaded and verifier[0] == "verifier" and verifier[2] == cfg.verifier_max_new_tokens
 
 
+def test_the_verifier_samples_at_its_own_top_p_not_the_policys(monkeypatch):
+    """TTRL's preset samples rollouts at top-p 1.0; the verifier keeps the 0.95 it was measured at."""
+    monkeypatch.setattr(t3rl, "load_model", lambda spec, dtype=None: (torch.nn.Linear(2, 2), None))
+    monkeypatch.setattr(t3rl, "model_verifier", lambda model, tok, **kw: kw)
+    cfg = config.parse_config(["--preset", "ttrl", "--verify", "--verifier-model", "coder-1.5b"])
+    assert cfg.top_p == 1.0 and t3rl.build_verifier(cfg, torch.device("cpu"))["top_p"] == 0.95
+    cfg = config.parse_config(["--verifier-top-p", "0.8"])
+    assert t3rl.build_verifier(cfg, torch.device("cpu"))["top_p"] == 0.8
+
+
 @pytest.mark.parametrize("native,dtype", [(True, "bfloat16"), (False, "float32")])
 def test_a_new_run_fixes_its_sampling_dtype_in_its_config(monkeypatch, native, dtype, tmp_path, capsys):
     """--sample-dtype auto is decided once, when the run starts, and saved: a resume samples in the same dtype
@@ -78,6 +88,11 @@ def test_ttrl_preset_is_ttrls_scripts():
     assert (cfg.kl_coef, cfg.clip_low, cfg.clip_high, cfg.clip_ratio_c) == (0.001, 0.2, 0.2, 3.0)
     assert (cfg.eval_every, cfg.eval_samples, cfg.eval_temperature, cfg.eval_top_p) == (2, 16, 0.6, 0.95)
     assert (cfg.drop_last, cfg.answer_rule, cfg.questions_per_step, cfg.episodes) == (True, "strict", 8, 80)
+    # verl's update_policy: a token-mean per micro-batch of 2 rollouts (ppo_micro_batch_size_per_gpu=2)
+    assert (cfg.loss_agg, cfg.micro_batch_rollouts) == ("micro-token-mean", 2)
+    paper = config.parse_config(["--preset", "paper"])  # silent: TTRL's scripts
+    assert (paper.loss_agg, paper.micro_batch_rollouts) == ("micro-token-mean", 2)
+    assert config.parse_config(["--preset", "cpu"]).loss_agg == "token-mean"
     assert [(c.questions_per_step, c.episodes) for c in (config.parse_config(["--preset", "ttrl", "--bench", b])
                                                          for b in ("math500", "amc"))] == [(32, 10), (8, 30)]
     assert config.parse_config(["--preset", "ttrl", "--temperature", "0.6"]).temperature == 0.6  # options win
@@ -159,7 +174,10 @@ BAD_INPUTS = [
     ("lr inf", lambda c: argv_for(c, lr="inf"), r"--lr inf: must be in \[0, inf\)"),
     ("questions-per-step", lambda c: argv_for(c, questions_per_step=0), r"--questions-per-step 0: must be in \[1, inf\)"),
     ("top-p", lambda c: argv_for(c, top_p=2), r"--top-p 2.0: must be in \(0, 1\]"),
-    ("temperature", lambda c: argv_for(c, temperature=-1), r"--temperature -1.0: must be in \[0, inf\)"),
+    ("temperature", lambda c: argv_for(c, temperature=-1), r"--temperature -1.0: must be > 0; GRPO's ratio needs"),
+    ("temperature 0", lambda c: argv_for(c, temperature=0), r"--temperature 0.0: must be > 0; GRPO's ratio needs the "
+                                                            r"log-probs .*greedy@1 is evaluated anyway"),
+    ("verifier-top-p", lambda c: argv_for(c, verifier_top_p=0), r"--verifier-top-p 0.0: must be in \(0, 1\]"),
     ("verify-budget", lambda c: argv_for(c, verify_budget=-1), r"--verify-budget -1: must be in \[0, inf\)"),
     ("eval-samples", lambda c: argv_for(c, eval_samples=-1), r"--eval-samples -1: must be in \[0, inf\)"),
     ("episodes", lambda c: argv_for(c, episodes=0), r"--episodes 0: must be in \[1, inf\)"),

@@ -12,6 +12,7 @@ from grpo import (
     group_advantages,
     grpo_step,
     make_optimizer,
+    micro_batches,
     pad_batch,
     policy_loss,
     token_logprobs,
@@ -199,6 +200,30 @@ def test_micro_batches_give_the_full_batch_update(tiny_model, agg):
     torch.testing.assert_close(deltas[0], deltas[1], atol=1e-5, rtol=1e-3)
 
 
+def test_micro_token_mean_weights_each_micro_batch_by_its_rollouts_as_verl(tiny_model):
+    """verl's update_policy: a token-mean per micro-batch, scaled by the micro-batch's share of the
+    mini-batch's rollouts. One rollout per micro-batch is then seq-mean-token-mean, one micro-batch for all
+    is token-mean, and the two differ here (the completions have different lengths)."""
+    def delta(agg, token_budget):
+        model = copy.deepcopy(tiny_model)
+        before = [p.detach().clone() for p in model.parameters()]
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        grpo_step(model, optimizer, cosine_schedule(optimizer, 1), Rollouts(GRPO_PROMPTS, COMPLETIONS,
+                  [1.0, 0.0, 0.0, 1.0]), GRPOSettings(2, agg=agg, token_budget=token_budget,
+                                                       max_grad_norm=math.inf, bf16=False))
+        return torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    alone, together = delta("micro-token-mean", 4), delta("micro-token-mean", 10_000)
+    torch.testing.assert_close(alone, delta("seq-mean-token-mean", 10_000), atol=1e-5, rtol=1e-3)
+    torch.testing.assert_close(together, delta("token-mean", 10_000), atol=1e-5, rtol=1e-3)
+    assert (alone - together).abs().max() > 1e-3 * together.abs().max()
+
+
+def test_micro_batches_of_a_fixed_size_take_the_rollouts_in_order_whatever_their_length():
+    """verl's ppo_micro_batch_size_per_gpu (TTRL's scripts: 2): the micro-batches are runs of rollouts."""
+    assert micro_batches([9, 2, 7, 1, 5], token_budget=4, rollouts=2) == [[0, 1], [2, 3], [4]]
+    assert micro_batches([9, 2, 7, 1, 5], token_budget=10) == [[0], [2], [4, 1], [3]]  # by budget, longest first
+
+
 def test_one_mini_batch_is_one_optimizer_step_whose_clip_never_binds(tiny_model):
     optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
     scheduler = cosine_schedule(optimizer, 10)
@@ -269,7 +294,7 @@ def test_cosine_schedule_warms_up_then_decays_to_zero():
         optimizer.step()
         scheduler.step()
     cosine = [0.5 * (1 + math.cos(math.pi * k / 4)) for k in range(5)]
-    assert lrs == pytest.approx([0.5, 1.0, *cosine])
+    assert lrs == pytest.approx([0.0, 0.5, *cosine])  # verl's warmup: current_step / warmup_steps
 
 
 def test_dual_clip_caps_the_loss_of_a_negative_advantage_token():

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 import config
+import domains
 import t3rl
 from guard import hardcoded
 from helpers import (
     GUARD_PROBLEM,
     QUESTIONS,
     ROOT,
+    fake_answer,
     final_weights,
     interrupted_at_update,
     make_tiny_model,
@@ -152,6 +154,32 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
     resumed = t3rl.train(config.parse_config(["--resume", str(tmp_path / "b" / "run")]))
 
     assert without_timing(rows(resumed, "metrics.jsonl")) == without_timing(rows(straight, "metrics.jsonl"))
+    assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
+    a, b = final_weights(straight), final_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_resumed_run_writes_the_programs_an_uninterrupted_one_writes(tiny_dir, tmp_path, monkeypatch):
+    """A model verifier (the tiny policy verifying itself, sampling at T 0.6) seeds each program from what it
+    verifies, so the steps a resumed run redoes get the same programs, verdicts and weights."""
+    monkeypatch.setattr(domains, "extract_answer", fake_answer)
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    replies, real_verifier = [], t3rl.model_verifier
+
+    def recording_verifier(*args, **kwargs):
+        verify = real_verifier(*args, **kwargs)
+        return lambda prompts: [replies.append((p.user, r.text)) or r for p, r in zip(prompts, verify(prompts))]
+    monkeypatch.setattr(t3rl, "model_verifier", recording_verifier)
+    argv = dict(max_steps=3, verify_budget=0, lazy_verify=False, top_p=0.95)
+    straight = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "a", **argv)))
+    written, replies[:] = set(replies), []
+    with interrupted_at_update(monkeypatch, 3), pytest.raises(SystemExit):
+        t3rl.main(tiny_argv(tiny_dir, tmp_path / "b", **argv))
+    replies[:] = []
+    resumed = t3rl.train(config.parse_config(["--resume", str(tmp_path / "b" / "run")]))
+    assert len({text for _, text in written}) > 1  # the programs are sampled, not all alike
+    assert replies and set(replies) <= written  # the redone step and the final evaluation: the same programs
     assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
     a, b = final_weights(straight), final_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -160,11 +160,11 @@ def test_killed_study_resumes_at_the_next_unfinished_question(tiny_dir, tmp_path
 
     real_verify, sampled = t3rl.verify_groups, []
 
-    def killed_in_batch_two(records, *args):
+    def killed_in_batch_two(records, *args, **kwargs):
         sampled.extend(r["id"] for r in records)
         if len(sampled) > 2:
             raise KeyboardInterrupt
-        return real_verify(records, *args)
+        return real_verify(records, *args, **kwargs)
     monkeypatch.setattr(t3rl, "verify_groups", killed_in_batch_two)
     with pytest.raises(KeyboardInterrupt):
         t3rl.run_study(config.parse_config(study_argv(tiny_dir, tmp_path / "b")))
@@ -194,9 +194,9 @@ def test_a_study_grows_to_more_votes_keeping_its_first_rollouts(tiny_dir, tmp_pa
         config.parse_config(["--resume", str(run), "--n-votes", "2"])  # a study may grow, never shrink
     real_verify, verified = t3rl.verify_groups, []
 
-    def counting(records, groups, *args):
+    def counting(records, groups, *args, **kwargs):
         verified.append([len(group) for group in groups])
-        return real_verify(records, groups, *args)
+        return real_verify(records, groups, *args, **kwargs)
     monkeypatch.setattr(t3rl, "verify_groups", counting)
     t3rl.run_study(config.parse_config(["--resume", str(run), "--n-votes", "8"]))
     after = rows(run, "study.jsonl")

@@ -11,8 +11,9 @@ import config
 import domains
 import metrics
 import t3rl
-from helpers import QUESTIONS, rows, tiny_argv, write_bench
+from helpers import QUESTIONS, ScriptedVerifier, final_weights, make_tiny_model, rows, tiny_argv, write_bench
 from model import load_model
+from sampler import Completion
 from verifier import VERIFIER_SYSTEM, VerifierPrompt
 
 
@@ -62,12 +63,17 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
     gold = {f"q{i}": g for i, g in enumerate(golds)}
     train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
     pooled = {"verified": 0, "judged": 0, "both": 0}
+    inherited = 0
     for m in train_rows:
         step = [r for r in rows(run, "rollouts.jsonl") if r["step"] == m["step"]]
-        verified = [r for r in step if r["v"]]
-        right = [r for r in step if r["answer"] == gold[r["id"]]]
-        judged = [r for r in right if r["status"] != "skipped"]  # recall: of the right rollouts it was asked about
+        # the rollouts the verifier judged: not skipped (lazy), not inheriting their class's verdict (budget 1)
+        asked = [r for r in step if r["status"] not in ("skipped", "no_answer") and not r["inherited"]]
+        verified = [r for r in asked if r["v"]]
+        right = [r for r in asked if r["answer"] == gold[r["id"]]]
+        judged = right  # recall: of the right rollouts it was asked about
         both = [r for r in verified if r["answer"] == gold[r["id"]]]
+        inherited += sum(r["v"] and r["inherited"] for r in step)
+        assert m["inherited_verified_rollouts"] == sum(r["v"] and r["inherited"] for r in step)
         assert m["verifier_precision"] == (len(both) / len(verified) if verified else None)
         assert m["verifier_recall"] == (len(both) / len(judged) if judged else None)
         pooled = {"verified": pooled["verified"] + len(verified), "judged": pooled["judged"] + len(judged),
@@ -75,9 +81,56 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
         recall = "-" if m["verifier_recall"] is None else f"{m['verifier_recall']:.2f}"
         assert f" rec {recall} |" in metrics.format_step(m, 2)
     assert 0 < pooled["both"] < pooled["judged"] and pooled["both"] < pooled["verified"]  # neither score is trivial
+    assert inherited > 0  # verdicts a class inherited occurred, and the scores above left them out
     table = metrics.summary(run)
     assert f"verifier precision{pooled['both'] / pooled['verified']:>20.3f}" in table
     assert f"verifier recall{pooled['both'] / pooled['judged']:>23.3f}" in table
+
+
+def test_ttrl_with_lazy_verification_still_runs_the_verifier_for_its_monitors(tiny_dir, tmp_path, monkeypatch,
+                                                                              patched):
+    """At omega 1 no verdict can change the label, so laziness would skip every rollout; the cpu preset's
+    --omega 1 (TTRL) verifies them instead, for the verifier's precision and recall on TTRL's rollouts."""
+    write_bench(tmp_path / "data", [(p, g) for (p, _), g in zip(QUESTIONS, ["0", "1", "2", "2"])])
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    cfg = config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, omega=1))
+    assert cfg.lazy_verify and cfg.verify
+    run = t3rl.train(cfg)
+    train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
+    statuses = {s for m in train_rows for s in m["status"]}
+    assert "skipped" not in statuses and "verified" in statuses
+    assert any(m["verifier_precision"] is not None for m in train_rows)
+    assert all(m["label_accuracy"] == m["majority_label_accuracy"] for m in train_rows)  # omega 1 is TTRL
+
+
+def test_a_policy_whose_source_is_bfloat16_trains_float32_master_weights(tiny_dir, tmp_path, monkeypatch, patched):
+    """An offline model's cache is bfloat16 (coder-1.5b): the policy still trains in float32, so a step at the
+    cpu preset's lr 2e-6, below bfloat16's spacing near the weights, moves them."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    real_load = t3rl.load_model
+    monkeypatch.setattr(t3rl, "load_model", lambda spec, dtype=None: real_load(spec, dtype or torch.bfloat16))
+    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lr=2e-6, n_votes=8,
+                                                   n_train=4, save_every=2)))
+    assert sum(r["reward"] for r in rows(run, "rollouts.jsonl") if r["kept"]) > 0
+    after = final_weights(run)
+    start = make_tiny_model(after["model.embed_tokens.weight"].shape[0]).state_dict()
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert after[name].dtype == torch.float32
+    assert (after[name] != start[name]).float().mean() > 0.5  # in bfloat16 these steps round away
+
+
+def test_the_loop_keeps_two_questions_with_one_text_apart_when_it_verifies(pool, monkeypatch):
+    """Two ids, one text: each question's lazy verification is its own (keyed by its place in the step)."""
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)
+    problem = "What is the sum of the integers from 1 to 10?"
+    records = [{"id": "a", "problem": problem}, {"id": "b", "problem": problem}]
+    answers = [["55", "55", "55", "54"], ["54", "53"]]
+    groups = [[Completion([1], [2], f"\\boxed{{{a}}}", "eos") for a in group] for group in answers]
+    program = ScriptedVerifier(*["```python\nprint(sum(range(1, 11)))\n```"] * 6)
+    cfg = config.Config(omega=5.0, lazy_verify=True)
+    verdicts = t3rl.verify_groups(records, groups, answers, program, pool, cfg, step=0)
+    assert [r.status for r in verdicts[1]] == ["mismatch", "mismatch"]  # by text: skipped behind a's 55
 
 
 def test_a_run_without_the_verifier_reports_no_verifier_precision_or_recall(tiny_dir, tmp_path, monkeypatch, patched):

@@ -231,6 +231,32 @@ def test_lazy_verification_of_several_problems_makes_two_verifier_calls(verify_p
     assert all(r.status == "mismatch" for r in results)
 
 
+def test_two_questions_with_the_same_text_vote_apart_when_keyed_apart(verify_pool, monkeypatch):
+    """A benchmark may hold one text twice (two ids): keyed by question, each vote's laziness is its own, as
+    if each were verified alone. By text the six rollouts would vote as one group, where a verified 55 (15)
+    leaves the second question's 54 and 53 nothing to win, and they would be skipped."""
+    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # the likeliest winners first, then what can beat them
+    a, b = ["55", "55", "55", "54"], ["54", "53"]
+    program = block("print(sum(range(1, 11)))")
+
+    def statuses(answers, groups=None):
+        return [r.status for r in verify_batch([PROBLEM] * len(answers), [ROLLOUT] * len(answers), answers,
+                                               ScriptedVerifier(*[program] * 6), MATH, verify_pool, omega=5.0,
+                                               groups=groups)]
+    keyed = statuses(a + b, groups=["a"] * 4 + ["b"] * 2)
+    assert keyed == statuses(a) + statuses(b) and keyed[4:] == ["mismatch", "mismatch"]
+    assert statuses(a + b)[4:] == ["skipped", "skipped"]
+
+
+def test_model_verifier_seeds_a_program_by_what_it_verifies_not_by_its_call(tiny_model, tokenizer):
+    """The same request gets the same program in any call, batch or position; another seed, another."""
+    verify = model_verifier(tiny_model, tokenizer, max_new_tokens=6, seed=0)
+    a, b = (VerifierPrompt(VERIFIER_SYSTEM, text, seed=7) for text in ("first", "second"))
+    alone = verify([b])[0].text
+    assert verify([a, b])[1].text == alone and verify([b, a])[0].text == alone
+    assert verify([VerifierPrompt(VERIFIER_SYSTEM, "second", seed=8)])[0].text != alone
+
+
 def test_code_is_the_first_python_block():
     text = "```text\nnot code\n```\n```python\nprint(1)\n```\n```python\nprint(2)\n```"
     assert extract_code(text).strip() == "print(1)"
