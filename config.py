@@ -384,7 +384,9 @@ def verifier_backend(cfg: Config) -> str:
 
 
 def sample_dtype(cfg: Config):
-    """Compute dtype for sampling: bfloat16 where the hardware runs it fast, unless the user says otherwise."""
+    """Compute dtype for sampling: bfloat16 where the hardware runs it natively, else float32
+    (an AVX2 CPU; a GPU before compute capability 8.0, which emulates bfloat16 and where vLLM
+    refuses it), unless the user says otherwise."""
     if cfg.sample_dtype == "auto":
         return torch.bfloat16 if native_bf16() else torch.float32
     return getattr(torch, cfg.sample_dtype)

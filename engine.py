@@ -5,7 +5,7 @@
 
 What an RL library does with an engine, and how it is done here (TRL's colocate mode, verl's hybrid engine):
 
-  - One engine per process and model (tensor-parallel 1), built on the first call and kept: each process
+  - One engine per process and model (tensor-parallel 1), built once and kept: each process
     samples its own questions, as the kv sampler does. It is built from the model's config and tokenizer
     alone (load_format "dummy": no weight file is read), so any model t3rl loads (a Hub id, a checkpoint, a
     GGUF, an offline model) can be served, and its weights always come from the trainer's model in memory.
@@ -24,10 +24,20 @@ What an RL library does with an engine, and how it is done here (TRL's colocate 
     top-p, so renormalised over the nucleus; the trainer's log softmax(logits / T) is not: under top-p < 1 the
     engine's is higher by log(1 / nucleus mass) <= log(1 / top_p)). grpo.py logs their gap to the trainer's
     and can correct for it (truncated importance sampling).
-  - GPUs: the engine takes --vllm-gpu-memory-utilization of the GPU's memory (weights, activations, KV cache)
-    and sleeps during the update (weights to CPU memory, KV cache freed; sleep(level=1)), where the installed
-    vLLM supports it. CPUs: a fixed KV-cache budget (ENGINE_KV_CACHE_GIB, or VLLM_CPU_KVCACHE_SPACE), eager
-    mode (torch.compile's start-up costs minutes here), no sleep mode.
+  - Started up front, on every process: train() starts the verifier's engine as it builds the
+    verifier and the policy's right after accelerate's prepare. With several processes on GPUs
+    engines start with vLLM's external_launcher, whose process groups every process must enter: a
+    process that started its engine at its first sampling call would leave the others waiting there
+    whenever it has no question (a step's questions fewer than the processes, a resumed run's first
+    step).
+  - GPUs: each engine takes --vllm-gpu-memory-utilization of the GPU's memory (weights, activations,
+    KV cache; vLLM's limit is per engine). The policy's engine sleeps during the update (weights to
+    CPU memory, KV cache freed; sleep(level=1)). vLLM's sleep mode allows one engine per process, so
+    the verifier's engine, whose model never trains, runs without it and keeps its share.
+    check_memory adds the shares to the trainer's, and train() refuses a plan that does not fit
+    before anything starts. CPUs: a fixed KV-cache budget (ENGINE_KV_CACHE_GIB, or
+    VLLM_CPU_KVCACHE_SPACE), eager mode (torch.compile's start-up costs minutes here), no sleep
+    mode.
 
 Not done here: vLLM's server mode (a separate GPU for the engine, weights over NCCL), tensor parallelism,
 and prompt log-probs. `python -m bench.engine` measures this backend beside "hf" and "kv".
@@ -95,12 +105,34 @@ def require_vllm(option: str = "--backend vllm"):
         raise EngineUnavailable(f"{option}: vLLM is not installed; {INSTALL_HINT}")
 
 
-def engine_for(model, tokenizer, dtype: torch.dtype | None = None) -> "Engine":
-    """The engine serving `model` in this process, built on first use (its start-up seconds printed)."""
+def engine_for(model, tokenizer, dtype: torch.dtype | None = None, *,
+               sleeps: bool = False) -> "Engine":
+    """The engine serving `model` in this process, built on first use (start-up seconds printed).
+    sleeps: on a GPU, in vLLM's sleep mode, so that sleep_engines frees its memory for the update
+    (the policy's engine; one per process)."""
     engine = _ENGINES.get(model)
     if engine is None:
-        engine = _ENGINES[model] = Engine(model, tokenizer, dtype or next(model.parameters()).dtype)
+        dtype = dtype or next(model.parameters()).dtype
+        engine = _ENGINES[model] = Engine(model, tokenizer, dtype, sleeps)
     return engine
+
+
+def check_memory(total: int, trainer: int, engines: list[str]) -> tuple[str, bool]:
+    """The GPU's memory shares as a line, and whether they fit in its `total` bytes: each engine
+    of `engines` (their roles) takes --vllm-gpu-memory-utilization of it, beside the trainer's
+    `trainer` bytes; activations and the kv sampler's cache use what is left (and the policy's
+    share while it sleeps)."""
+    gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
+    share = SETTINGS.gpu_memory_utilization * total
+    parts = [f"{role}'s engine {gib(share)}" + " (asleep during the update)" * (role == "policy")
+             for role in engines] + [f"trainer {gib(trainer)}"]
+    left = total - len(engines) * share - trainer
+    line = f"GPU memory {gib(total)}: {', '.join(parts)}, {gib(left)} left"
+    if left >= 0:
+        return line, True
+    verifier = ", pass --verifier-backend kv" if "verifier" in engines else ""
+    return (f"{line}: does not fit; lower --vllm-gpu-memory-utilization{verifier} or pass "
+            f"--backend kv (the kv sampler fits itself into what is left)"), False
 
 
 def sleep_engines():
@@ -110,12 +142,18 @@ def sleep_engines():
 
 
 class Engine:
-    def __init__(self, model, tokenizer, dtype: torch.dtype):
+    def __init__(self, model, tokenizer, dtype: torch.dtype, sleeps: bool = False):
         require_vllm()
+        gpu = torch.cuda.is_available()
+        self.sleeps = sleeps and gpu  # sleep mode is a CUDA feature of vLLM
+        if self.sleeps and any(engine.sleeps for engine in _ENGINES.values()):
+            # vLLM's sleep-mode allocator is one per process: a second engine fails as it loads
+            raise EngineUnavailable("vLLM runs one sleep-mode engine per process (the policy's); "
+                                    "start the others with sleeps=False")
         for name, value in ENGINE_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
         from vllm import LLM
-        started, gpu = time.perf_counter(), torch.cuda.is_available()
+        started = time.perf_counter()
         self.dtype, self.synced, self.asleep, self.syncs = dtype, None, False, 0
         with tempfile.TemporaryDirectory(prefix="t3rl-engine-") as folder:
             # config and tokenizer only: the engine starts with placeholder weights, then sync() loads the model's
@@ -123,7 +161,8 @@ class Engine:
             model.generation_config.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             if gpu:
-                memory = dict(gpu_memory_utilization=SETTINGS.gpu_memory_utilization, enable_sleep_mode=True)
+                memory = dict(gpu_memory_utilization=SETTINGS.gpu_memory_utilization,
+                              enable_sleep_mode=self.sleeps)
                 if int(os.environ.get("WORLD_SIZE", "1")) > 1:
                     # each process's engine on its own GPU (LOCAL_RANK), as TRL's colocate mode starts it; vLLM's
                     # default in-process executor would put every process's engine on GPU 0
@@ -133,7 +172,6 @@ class Engine:
                     enforce_eager=True, kv_cache_memory_bytes=ENGINE_KV_CACHE_GIB << 30)
             self.llm = LLM(model=folder, load_format="dummy", dtype=str(dtype).removeprefix("torch."), seed=0,
                            logprobs_mode="processed_logprobs", enable_prefix_caching=True, **memory)
-        self.sleeps = gpu  # sleep mode is a CUDA feature of vLLM
         print(f"[engine] vLLM engine for {type(model).__name__} ({dtype}) started in "
               f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
 
@@ -158,6 +196,7 @@ class Engine:
 
     def wake(self):
         if self.asleep:
+            torch.cuda.empty_cache()  # the update's cached blocks back to the GPU, for vLLM to take
             self.llm.wake_up()
             self.asleep = False
 

@@ -434,8 +434,8 @@ def cosine_schedule(optimizer, total_steps: int, warmup_steps: int = 0, min_lr_r
 
 def bf16_supported(device: torch.device) -> bool:
     """Whether bfloat16 autocast runs natively: GPUs with bf16, CPUs with AVX-512 BF16 or AMX."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
+    if device.type == "cuda":  # not emulated: a V100 or T4 emulates bf16, and vLLM refuses it there
+        return torch.cuda.is_bf16_supported(including_emulation=False)
     if device.type == "cpu":  # torch has no public query for these CPU features
         return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     return False

@@ -15,11 +15,18 @@ import sys
 import uuid
 from contextlib import contextmanager
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 
 from files import drop_torn_tail, keep_jsonl, read_jsonl_rows, write_atomically
+from grpo import bf16_supported
+
+# The process group's timeout for every collective (NCCL's default: 10 minutes): the others wait at
+# a barrier while the main process writes a checkpoint, 18.5 GB for the paper's 1.5B policy and its
+# AdamW state, longer than that on slow storage. A hung collective shows after this long.
+PROCESS_GROUP_TIMEOUT = timedelta(hours=1)
 
 
 class RunDirError(RuntimeError):
@@ -66,7 +73,8 @@ def open_run_dir(cfg) -> Path:
 def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, accelerator):
     """checkpoint/ = model and tokenizer (save_pretrained, a loadable --model folder) + optimizer, scheduler,
     RNG states and step. Written as checkpoint.tmp/, then swapped in; the one it replaces stays as
-    checkpoint.old/, the fallback if the new one is ever found damaged."""
+    checkpoint.old/, the fallback if the new one is ever found damaged. The other processes wait
+    for it under PROCESS_GROUP_TIMEOUT."""
     if accelerator.is_main_process:
         tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -183,3 +191,19 @@ def run_banner(run_dir: Path, records, batches, accelerator, start: int, *, resu
     return (f"run folder {run_dir}; {len(records)} questions, {len(batches)} steps, "
             f"{processes} process{'es' if processes > 1 else ''} on {accelerator.device.type}"
             + (f", resuming after step {start}" if start else ", no checkpoint yet: from step 0" if resume else ""))
+
+
+def precision_notes(cfg, device, asked: str) -> list[str]:
+    """What a run says about its numerics, which t3rl sets itself: accelerate's mixed precision
+    stays off whatever its config asks (`asked`: ACCELERATE_MIXED_PRECISION), the update takes
+    bfloat16 autocast where the hardware runs it natively, sampling runs in --sample-dtype."""
+    notes = []
+    if asked != "no":
+        notes.append(f"accelerate's config asks for mixed precision {asked}; t3rl keeps it off and "
+                     f"sets its own: bfloat16 autocast in the update where the hardware has it "
+                     f"(--no-bf16: none), sampling in {cfg.sample_dtype} (--sample-dtype)")
+    if cfg.bf16 and not bf16_supported(device):
+        hardware = "GPU" if device.type == "cuda" else device.type.upper()
+        notes.append(f"this {hardware} has no native bfloat16: the update runs in float32, "
+                     f"sampling in {cfg.sample_dtype}")
+    return notes

@@ -603,9 +603,11 @@ def nucleus(probs, top_p: float):
 def _default_budget(device) -> int:
     """Half the memory a new allocation can get: on Linux MemAvailable, which counts the page cache the kernel
     gives back (free pages alone, after a run has read its model files, can be a few hundred MB of 24 GB and
-    split a call into needless waves)."""
+    split a call into needless waves); on a GPU the free memory plus what PyTorch holds reserved
+    but unused (the update's freed gradients and activations), which the driver counts as used."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0] // 2
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return (torch.cuda.mem_get_info(device)[0] + cached) // 2
     try:
         with open("/proc/meminfo") as meminfo:
             available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))

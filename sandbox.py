@@ -51,7 +51,7 @@ uid, and signals to processes of the same uid.
 
 Linux only (namespaces, pidfd, prctl). Usage:
 
-    with SandboxPool(timeout=5.0) as pool:            # workers = CPUs available to this process
+    with SandboxPool(timeout=5.0) as pool:            # workers = default_workers()
         print(pool.report)                            # which protections are active
         results = pool.run_many(codes)                # list of Result, same order as codes
         r = pool.run("print(1)")                      # r.status, r.stdout, r.stderr, r.returncode, r.duration
@@ -803,6 +803,14 @@ class _Worker:
     sock: socket.socket
 
 
+def default_workers() -> int:
+    """This process's share of the cores it may run on: the processes of one node (LOCAL_WORLD_SIZE,
+    set by torchrun and accelerate launch) verify at the same time, and a pool each of every core
+    would run that many times more programs than cores, slowing right ones into their timeout."""
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, len(os.sched_getaffinity(0)) // processes)
+
+
 class SandboxPool:
     """Warm sandbox workers; `run(code)` and `run_many(codes)` return `Result`s. Thread-safe; one pool per
     process (several processes on one machine may each have one). Close it (or use `with`) when done."""
@@ -811,7 +819,7 @@ class SandboxPool:
                  isolation="auto"):
         if sys.platform != "linux":
             raise RuntimeError(f"sandbox.py needs Linux (namespaces, pidfd); this is {sys.platform}")
-        workers = len(os.sched_getaffinity(0)) if workers is None else workers
+        workers = default_workers() if workers is None else workers
         if not isinstance(workers, int) or workers < 1:
             raise ValueError(f"workers={workers!r}: give a positive number of worker processes (or None)")
         if isolation not in ISOLATIONS:

@@ -25,6 +25,7 @@ Run it:
 """
 import functools
 import hashlib
+import os
 import random
 import signal
 import sys
@@ -35,20 +36,21 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather_object, set_seed
+from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object, set_seed
 from tqdm import tqdm
 
 from agent import TOOL_INSTRUCTION, Interpreter, answer_text
 from benchmarks import load_bench
 from config import Config, OptionError, has_gpu, parse_command, sample_dtype, sampler_options, verifier_backend
 from domains import MATH_INSTRUCTION, domain_of
-from engine import configure as configure_engines, sleep_engines
+from engine import check_memory, configure as configure_engines, engine_for, sleep_engines
 from files import DataError, append_jsonl, read_jsonl_rows
 from grpo import GRPOSettings, Rollouts, bf16_supported, cosine_schedule, grpo_step, make_optimizer
 from metrics import (Stopwatch, best_evals, eval_metrics, eval_row, format_eval, format_step, plot_run,
                      question_monitors, step_metrics, summary)
 from model import ModelLoadError, check_hub, load_model
-from runs import (RunDirError, drop_rows_after, load_checkpoint, open_run_dir, restore_state, run_banner, run_dir_of,
+from runs import (PROCESS_GROUP_TIMEOUT, RunDirError, drop_rows_after, load_checkpoint,
+                  open_run_dir, precision_notes, restore_state, run_banner, run_dir_of,
                   save_checkpoint, tracker_names, tracker_row, tracking)
 from sampler import generate
 from sandbox import SandboxPool
@@ -266,7 +268,18 @@ def log_evaluation(learner: Learner, records: list[dict], step: int, log, final:
 # The loop
 
 def train(cfg: Config) -> Path:
-    accelerator = Accelerator(cpu=not has_gpu(), log_with=tracker_names(cfg) or None, project_dir=run_dir_of(cfg))
+    # t3rl sets its own numerics (grpo.py's bf16 autocast, the sampling dtype): the mixed
+    # precision an accelerate config may ask for would add an autocast and a GradScaler. The
+    # process group waits out a checkpoint save (runs.PROCESS_GROUP_TIMEOUT).
+    timeout = InitProcessGroupKwargs(timeout=PROCESS_GROUP_TIMEOUT)
+    accelerator = Accelerator(cpu=not has_gpu(), mixed_precision="no", kwargs_handlers=[timeout],
+                              log_with=tracker_names(cfg) or None, project_dir=run_dir_of(cfg))
+    # each process named the run by its own clock as it parsed its command line: rank 0's holds
+    cfg.run_name = broadcast_object_list([cfg.run_name])[0]
+    if accelerator.is_main_process:
+        asked = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+        for note in precision_notes(cfg, accelerator.device, asked):
+            print(f"[t3rl] {note}", file=sys.stderr)
     set_seed(cfg.seed)
     configure_engines(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
     records = load_bench(cfg.bench)[:cfg.limit or None]  # bad input ends here, before a run folder exists
@@ -282,13 +295,18 @@ def train(cfg: Config) -> Path:
     # step of 5e-7 rounds away in bfloat16; sampling casts to its own dtype
     policy, tokenizer = load_model(str(checkpoint / "model") if checkpoint else cfg.model, dtype=torch.float32)
     check_prompts_fit(records, tokenizer, policy, cfg)
-    verifier = build_verifier(cfg, accelerator.device)
+    check_gpu_memory(cfg, policy, accelerator)
+    # an engine serving the verifier holds its weights: the verifier's own copy stays in CPU memory
+    served = verifier_backend(cfg) == "vllm"
+    verifier = build_verifier(cfg, torch.device("cpu") if served else accelerator.device)
     ref_model = load_model(cfg.model)[0].requires_grad_(False).to(accelerator.device) if cfg.kl_coef > 0 else None
     policy.train()
     optimizer, scheduler = make_optimization(policy, batches, cfg)
     start = restore_state(state, optimizer, scheduler) if state else 0
     # the scheduler stays unprepared: accelerate would step it once per process per step
     policy, optimizer = accelerator.prepare(policy, optimizer)
+    if cfg.backend == "vllm":  # now, on every process, as build_verifier started the verifier's
+        engine_for(accelerator.unwrap_model(policy), tokenizer, sample_dtype(cfg), sleeps=True)
 
     if accelerator.is_main_process:
         drop_rows_after(run_dir, start)
@@ -305,7 +323,8 @@ def train(cfg: Config) -> Path:
                           grpo=grpo_settings(cfg, accelerator.device), ref_model=ref_model,
                           tools=Interpreter(tokenizer, pool, cfg.agent_max_calls) if cfg.agent else None)
         if accelerator.is_main_process:
-            print(f"[t3rl] sandbox: {pool.report}", file=sys.stderr)
+            workers = f"{pool.workers} worker{'s' if pool.workers > 1 else ''}"
+            print(f"[t3rl] sandbox, {workers} per process:\n{pool.report}", file=sys.stderr)
         if start == 0:
             log_evaluation(learner, records, 0, log, final=cfg.eval_only)
             if cfg.eval_only:
@@ -357,6 +376,23 @@ def check_prompts_fit(records: list[dict], tokenizer, model, cfg: Config):
                             f"here: {fix}remove that question from the benchmark file")
 
 
+def check_gpu_memory(cfg: Config, policy, accelerator):
+    """On a GPU with engines, their shares and the trainer's against its memory, before anything
+    starts: one line saying them (engine.check_memory), or an OptionError naming what to lower."""
+    verifies = cfg.verify and not (cfg.eval_only and not cfg.eval_samples)  # build_verifier's rule
+    engines = ["policy"] * (cfg.backend == "vllm")
+    engines += ["verifier"] * (verifies and verifier_backend(cfg) == "vllm")
+    if not engines or not has_gpu():
+        return
+    # float32 weights, gradients and AdamW's two moments (16 bytes), and the float32 reference model
+    trainer = sum(p.numel() for p in policy.parameters()) * (16 + 4 * (cfg.kl_coef > 0))
+    total = torch.cuda.get_device_properties(accelerator.device).total_memory
+    line, fits = check_memory(total, trainer, engines)
+    if not fits:
+        raise OptionError(line)
+    accelerator.print(f"[t3rl] {line}")
+
+
 def build_verifier(cfg: Config, device, loaded=None):
     """The verifier callable (prompts -> completions). 'self' is a frozen copy of the policy's starting weights,
     loaded from --model (not from a checkpoint), kept in the sampling dtype since it never trains.
@@ -366,6 +402,8 @@ def build_verifier(cfg: Config, device, loaded=None):
     spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
     vmodel, vtok = loaded or load_model(spec, dtype=sample_dtype(cfg))
     vmodel.requires_grad_(False).to(device)
+    if verifier_backend(cfg) == "vllm":  # its engine starts now, on every process (engine.py)
+        engine_for(vmodel, vtok)
     return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,
                           temperature=cfg.verifier_temperature, top_p=cfg.verifier_top_p, seed=cfg.seed,
                           backend=verifier_backend(cfg))
@@ -397,6 +435,10 @@ def run_study(cfg: Config) -> Path:
     """--study: k_max = n_votes rollouts per question, sampled and verified once, saved, then study.py's report
     (--agent: and k_max agent rollouts per question on the same seeds, for TTRL-Agent's vote). Each question has
     its own sampling seed, so a resumed study samples what an uninterrupted one would."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would sample all of it on GPU 0
+        raise OptionError("--study runs in one process (it never trains, nothing is split over "
+                          "processes): start it with python t3rl.py, not accelerate launch or "
+                          "torchrun")
     run_dir = open_study(cfg)
     records = stratified(load_bench(cfg.bench), cfg.limit, cfg.seed)
     device = torch.device("cuda" if has_gpu() else "cpu")

@@ -4,6 +4,9 @@ These tests start real vLLM engines (about 20 s each on a CPU) and run only with
 installed; T3RL_REQUIRE_VLLM=1 (CI) turns a missing vLLM into a failure instead of a skip.
 """
 import os
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +14,8 @@ import torch
 import config
 import t3rl
 from grpo import GRPOSettings, Rollouts, cosine_schedule, grpo_step, make_optimizer, pad_batch, token_logprobs
-from helpers import QUESTIONS, interrupted_at_update, make_tiny_model, rows, tiny_argv, write_bench
+from helpers import (QUESTIONS, ROOT, interrupted_at_update, make_tiny_model, rows, tiny_argv,
+                     write_bench)
 from sampler import generate
 from test_invariants import assert_trained_alike, train_like_one
 
@@ -182,3 +186,50 @@ def test_a_resumed_run_samples_from_the_checkpoints_weights(engine_dir, tmp_path
     assert step_two(resumed) == step_two(whole)
     assert step_two(unmoved) != step_two(whole)
 
+
+
+STARTED = """import sys
+sys.path.insert(0, {root!r})
+import accelerate
+import torch.distributed as dist
+import domains
+import engine
+import t3rl
+domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
+events = []
+
+
+def recorded(name, real):
+    def call(*args, **kwargs):
+        events.append(name)
+        return real(*args, **kwargs)
+    return call
+
+
+accelerate.Accelerator.prepare = recorded("prepare", accelerate.Accelerator.prepare)
+engine.Engine.__init__ = recorded("engine", engine.Engine.__init__)
+t3rl.log_evaluation = recorded("eval", t3rl.log_evaluation)
+t3rl.rl_step = recorded("step", t3rl.rl_step)
+t3rl.main()
+print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}}: {{' '.join(events)}}")
+"""
+
+
+def test_every_process_starts_its_engines_right_after_prepare(engine_dir, tmp_path):
+    """torchrun, 2 processes, one question: process 1 samples nothing in the whole run, and still
+    starts the policy's engine and the verifier's with process 0, before the first evaluation."""
+    write_bench(tmp_path / "data", QUESTIONS[:1])
+    script = tmp_path / "started.py"
+    script.write_text(STARTED.format(root=str(ROOT)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data")}
+    argv = tiny_argv(engine_dir, tmp_path / "out", questions_per_step=1, max_steps=1,
+                     eval_samples=1, backend="vllm", verifier_backend="vllm",
+                     sample_dtype="float32")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(script), *argv],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = sorted(re.findall(r"process (\d) of (\d): (.*)", done.stdout))
+    # the verifier's engine as its model is built, the policy's after prepare
+    assert seen == [(str(rank), "2", "engine prepare engine eval step eval") for rank in range(2)]
+    assert len(rows(tmp_path / "out" / "run", "rollouts.jsonl")) == 4  # one question's N rollouts

@@ -1,5 +1,9 @@
-"""runs.py: the run folder, checkpoints and their repair, trackers."""
+"""runs.py: the run folder, checkpoints and their repair, trackers, a launched run's shared name."""
 import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,6 +14,7 @@ import runs
 import t3rl
 from helpers import (
     QUESTIONS,
+    ROOT,
     copy_run,
     final_weights,
     interrupted_at_update,
@@ -139,3 +144,51 @@ def test_resume_lists_the_bookkeeping_options_it_may_change(finished_run, tmp_pa
     cfg = config.parse_config(["--resume", str(run), "--save-every", "1", "--lr", "0.001"])  # lr as saved: no change
     assert (cfg.save_every, cfg.lr, cfg.n_votes) == (1, 1e-3, 4)
     assert "[t3rl] --resume: --save-every 2 -> 1" in capsys.readouterr().err
+
+
+LAUNCHED = """import sys
+sys.path.insert(0, {root!r})
+import time
+import torch
+import torch.distributed as dist
+from accelerate.state import AcceleratorState
+import config
+import domains
+import t3rl
+domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
+rank = int(__import__("os").environ["RANK"])
+time.strftime = lambda fmt: f"2026120{{rank}}-101500"  # each process's clock, its own run name
+run = t3rl.train(config.parse_config(sys.argv[1:]))
+group = dist.distributed_c10d._get_default_group()
+timeout = group._get_backend(torch.device("cpu")).options._timeout
+print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}}: run {{run}}, timeout "
+      f"{{timeout.total_seconds():.0f}} s, mixed precision {{AcceleratorState().mixed_precision}}")
+"""
+
+
+def test_every_process_of_a_launched_run_shares_its_name_timeout_and_precision(tiny_dir, tmp_path):
+    """torchrun, 2 processes, an accelerate config asking for fp16: every process takes the main
+    one's run folder, the process group waits out a long checkpoint save, accelerate's mixed
+    precision stays off, and each process's sandbox takes its share of the cores."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    script = tmp_path / "launched.py"
+    script.write_text(LAUNCHED.format(root=str(ROOT)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data"),
+           "ACCELERATE_MIXED_PRECISION": "fp16"}
+    argv = tiny_argv(tiny_dir, tmp_path / "out", run_name="", max_steps=1, eval_samples=0,
+                     verify=False)
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", str(script), *argv],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run = tmp_path / "out" / "demo-ttrl-20261200-101500"
+    seen = sorted(re.findall(r"process (\d) of (\d): (.*)", done.stdout))
+    timeout = runs.PROCESS_GROUP_TIMEOUT.total_seconds()
+    assert seen == [(str(rank), "2", f"run {run}, timeout {timeout:.0f} s, mixed precision no")
+                    for rank in range(2)]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == [run.name]
+    assert [r["kind"] for r in rows(run, "metrics.jsonl")] == ["eval", "train", "eval"]
+    workers = max(1, len(os.sched_getaffinity(0)) // 2)
+    share = f"{workers} worker{'s' if workers > 1 else ''} per process"
+    assert f"[t3rl] sandbox, {share}:" in done.stderr.splitlines()
+    assert "[t3rl] accelerate's config asks for mixed precision fp16;" in done.stderr

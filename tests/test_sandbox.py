@@ -316,3 +316,20 @@ def test_code_must_be_text(pool):
 
 def test_run_snippet_uses_a_shared_pool():
     assert run_snippet("print(6 * 7)").stdout == "42\n"
+
+
+def test_each_process_of_a_node_takes_its_share_of_the_cores(monkeypatch):
+    """The processes of one node (LOCAL_WORLD_SIZE) verify at once: a pool each of every core
+    would run that many programs per core and slow right ones into their timeout."""
+    from sandbox import default_workers
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert default_workers() == 32
+    for processes, workers in (("8", 4), ("3", 10), ("64", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", processes)
+        assert default_workers() == workers
+    monkeypatch.undo()
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))  # one process per core: one worker each
+    with SandboxPool() as pool:
+        assert pool.workers == 1 and pool.run("print(6 * 7)").stdout == "42\n"

@@ -1,0 +1,182 @@
+"""The GPU path's decisions, shown on a CPU: the precision whatever accelerate's config asks,
+bfloat16 without emulation, the engines' sleep mode and memory shares, the sampler's budget beside
+PyTorch's cache, --study under a launcher, Slurm's cores for srun. launch/gpu-check.sh runs the
+path itself on a GPU."""
+import os
+import subprocess
+import sys
+import types
+import weakref
+
+import pytest
+import torch
+from accelerate.state import AcceleratorState
+
+import config
+import engine
+import grpo
+import runs
+import sampler
+import t3rl
+from helpers import QUESTIONS, ROOT, make_tiny_model, rows, tiny_argv, write_bench
+
+GIB = 1 << 30
+PAPER_POLICY = 1_543_714_304  # parameters of Qwen2.5-Math-1.5B
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_where_the_gpu_runs_it_natively_and_float32_where_emulated(monkeypatch, native):
+    """A V100 or T4 runs bfloat16 emulated, and torch's default answer, which counts emulation, is
+    yes; asked without it, t3rl samples and updates in float32 there, and says so."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native or including_emulation)
+    monkeypatch.setattr(config, "has_gpu", lambda: True)
+    cuda = torch.device("cuda")
+    cfg = config.Config()  # --sample-dtype auto, --bf16
+    assert grpo.bf16_supported(cuda) is native
+    assert config.sample_dtype(cfg) == (torch.bfloat16 if native else torch.float32)
+    assert t3rl.grpo_settings(cfg, cuda).bf16 is native  # the update's autocast
+    cfg.sample_dtype = str(config.sample_dtype(cfg)).removeprefix("torch.")  # as a new run fixes it
+    expected = [] if native else ["this GPU has no native bfloat16: the update runs in float32, "
+                                  "sampling in float32"]
+    assert runs.precision_notes(cfg, cuda, "no") == expected
+
+
+@pytest.fixture()
+def fresh_accelerate_state():
+    """accelerate's state, one per process, is fixed by its first Accelerator: unset it around."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_the_precision_is_t3rls_whatever_accelerates_config_asks(tiny_dir, tmp_path, monkeypatch,
+                                                                  patched, capsys,
+                                                                  fresh_accelerate_state):
+    """accelerate launch passes its config's mixed precision on as ACCELERATE_MIXED_PRECISION; bf16
+    there would wrap the policy's forward in accelerate's autocast, on a CPU too."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    built = []
+
+    class Recorded(t3rl.Accelerator):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            built.append(self)
+    monkeypatch.setattr(t3rl, "Accelerator", Recorded)
+    argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=1, eval_samples=0, verify=False)
+    run = t3rl.train(config.parse_config(argv))
+    assert [r["kind"] for r in rows(run, "metrics.jsonl")] == ["eval", "train", "eval"]
+    [accelerator] = built
+    assert accelerator.mixed_precision == "no"
+    assert not accelerator.native_amp and accelerator.scaler is None  # no autocast, no GradScaler
+    assert ("[t3rl] accelerate's config asks for mixed precision bf16; t3rl keeps it off and sets "
+            "its own: bfloat16 autocast in the update where the hardware has it (--no-bf16: none), "
+            "sampling in bfloat16 (--sample-dtype)") in capsys.readouterr().err.splitlines()
+
+
+def test_the_sampler_budgets_the_gpus_free_memory_and_pytorchs_unused_cache(monkeypatch):
+    """After an update PyTorch keeps its freed blocks reserved: the driver does not count them."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * GIB)
+    assert sampler._default_budget(torch.device("cuda")) == (10 + 30 - 20) * GIB // 2
+
+
+class FakeLLM:
+    """vllm.LLM as Engine uses it: records how it was started and, in order, what it was asked."""
+    calls = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+    def sleep(self, level):
+        self.calls.append(("sleep", self.kwargs["enable_sleep_mode"]))
+
+    def wake_up(self):
+        self.calls.append(("wake_up", self.kwargs["enable_sleep_mode"]))
+
+
+@pytest.fixture()
+def fake_gpu_engines(monkeypatch):
+    """Engines built on a pretend GPU, with FakeLLM for vllm.LLM; the calls it records."""
+    FakeLLM.calls = []
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
+    monkeypatch.setattr(engine, "vllm_installed", lambda: True)
+    monkeypatch.setattr(engine, "_ENGINES", weakref.WeakKeyDictionary())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    emptied = ("empty_cache", None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: FakeLLM.calls.append(emptied))
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    return FakeLLM.calls
+
+
+def test_only_the_policys_engine_sleeps_and_wakes_after_empty_cache(tokenizer, fake_gpu_engines):
+    """vLLM's sleep mode allows one engine per process: the policy's sleeps during the update, the
+    verifier's (its model never trains) runs without it; waking follows torch.cuda.empty_cache."""
+    policy, verifier, other = (make_tiny_model(len(tokenizer), seed=s) for s in range(3))
+    served = engine.engine_for(policy, tokenizer, torch.bfloat16, sleeps=True)
+    checker = engine.engine_for(verifier, tokenizer, torch.bfloat16)
+    assert served.llm.kwargs["enable_sleep_mode"] and not checker.llm.kwargs["enable_sleep_mode"]
+    assert served.llm.kwargs["gpu_memory_utilization"] == engine.SETTINGS.gpu_memory_utilization
+    with pytest.raises(engine.EngineUnavailable, match="one sleep-mode engine per process"):
+        engine.engine_for(other, tokenizer, torch.bfloat16, sleeps=True)
+    engine.sleep_engines()
+    served.wake()
+    checker.wake()
+    assert fake_gpu_engines == [("sleep", True), ("empty_cache", None), ("wake_up", True)]
+
+
+def test_the_engines_shares_are_checked_against_the_gpus_memory_before_anything_starts(monkeypatch):
+    """The paper's 1.5B policy (16 bytes a parameter in the trainer) and two engines at 0.3 of the
+    GPU each: an 80 GiB GPU holds them, a 40 GiB one does not, and the line says what to change."""
+    monkeypatch.setattr(engine.SETTINGS, "gpu_memory_utilization", 0.3)
+    trainer = PAPER_POLICY * 16
+    line, fits = engine.check_memory(80 * GIB, trainer, ["policy", "verifier"])
+    assert fits and line == ("GPU memory 80.0 GiB: policy's engine 24.0 GiB (asleep during the "
+                             "update), verifier's engine 24.0 GiB, trainer 23.0 GiB, 9.0 GiB left")
+    line, fits = engine.check_memory(40 * GIB, trainer, ["policy", "verifier"])
+    assert not fits and "\n" not in line
+    assert line.endswith("-7.0 GiB left: does not fit; lower --vllm-gpu-memory-utilization, pass "
+                         "--verifier-backend kv or pass --backend kv (the kv sampler fits itself "
+                         "into what is left)")
+    assert engine.check_memory(40 * GIB, trainer, ["policy"])[1]
+
+    # train's check, before any model goes to the GPU: both roles on engines, a 40 GiB GPU
+    monkeypatch.setattr(t3rl, "has_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=40 * GIB))
+    policy = types.SimpleNamespace(parameters=lambda: [torch.empty(1).expand(PAPER_POLICY)])
+    cfg = config.Config(backend="vllm")  # the verifier's backend follows the policy's
+    accelerator = types.SimpleNamespace(device=torch.device("cuda"))
+    with pytest.raises(config.OptionError, match="^GPU memory 40.0 GiB: .* does not fit; lower"):
+        t3rl.check_gpu_memory(cfg, policy, accelerator)
+
+
+def test_a_study_under_a_launcher_is_refused_in_one_line(tiny_dir, tmp_path, monkeypatch):
+    """Every process of accelerate launch would sample the whole study on GPU 0 into one folder."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(t3rl, "open_study", lambda cfg: pytest.fail("the study started"))
+    with pytest.raises(SystemExit) as stop:
+        t3rl.main(tiny_argv(tiny_dir, tmp_path / "out", study=True))
+    assert stop.value.code == ("error: --study runs in one process (it never trains, nothing is "
+                               "split over processes): start it with python t3rl.py, not "
+                               "accelerate launch or torchrun")
+
+
+def test_slurm_gives_srun_the_jobs_cores_per_task(tmp_path):
+    """srun does not inherit --cpus-per-task (Slurm 22.05 and later): the script passes it on."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/sh\necho 127.0.0.1\n")
+    (bin_dir / "srun").write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "srun.args"}\n')
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_SUBMIT_DIR": str(ROOT),
+           "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2", "SLURM_CPUS_PER_TASK": "32"}
+    done = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), "--bench", "math500"],
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    srun_options = (tmp_path / "srun.args").read_text().split()[:2]
+    assert srun_options == ["--kill-on-bad-exit=1", "--cpus-per-task=32"]
