@@ -1,58 +1,52 @@
 r"""Answer checking: which final answer a rollout gives, and whether two answers are the same.
 
-Every reward in test-time RL comes from comparing answers, so the comparison must be
-exact in both directions: a false "equal" rewards a wrong rollout, a false "not equal" splits one answer
-into two vote classes and punishes a right one.
+Every reward in test-time RL comes from comparing answers, so the comparison must be exact in both
+directions: a false "equal" rewards a wrong rollout, a false "not equal" splits one answer into two
+vote classes and punishes a right one.
 
 Three layers, cheapest first:
 
 1. extract_answer(text): the final answer a response states (a "final answer is" sentence, the last
    \boxed{...}, an "answer is" sentence, a short response's math span; rules in its docstring).
 2. answer_key(ans): a canonical spelling, computed with string rules only. Presentation is removed
-   (\left, \dfrac, $, \text units, degree signs, thousands separators, "x =", choice letters with text),
-   plain numbers become exact reduced fractions (0.5, \frac12, 0.\overline{3}, 142.0, 025), inequalities
-   become intervals, column vectors become tuples, lists of roots become sorted sets (\pm expanded).
-   Equal keys mean equal answers; two plain numbers with different keys are different answers.
+   (\left, \dfrac, $, \text units, degree signs, thousands separators, "x =", choice letters with
+   text), plain numbers become exact reduced fractions (0.5, \frac12, 0.\overline{3}, 142.0, 025),
+   inequalities become intervals, column vectors become tuples, lists of roots become sorted sets
+   (\pm expanded). Equal keys mean equal answers; two plain numbers with different keys are
+   different answers.
 3. is_equiv(pred, gold): equal keys, else a symbolic comparison of the two keys with math-verify
-   (sympy). Decimals reach sympy as exact fractions, so a rounded decimal never equals an exact value.
-   Sympy can hang (or spend minutes in C code) on adversarial input, and a thread cannot be stopped, so
-   the symbolic step runs in a helper process: it interrupts itself with SIGALRM, and if it does not
-   answer within the hard limit it is killed and restarted. That works from any thread and in forked
-   children. A timed-out comparison counts as "not equal". Results are cached.
+   (sympy). Decimals reach sympy as exact fractions, so a rounded decimal never equals an exact
+   value. The symbolic step runs in a helper process that is killed when it overruns its hard limit
+   (docs/answers.md); a timed-out comparison counts as "not equal". Results are cached.
 
 same_answer(a, b) is the class test for voting: weighted_vote(answers, verified, omega,
-key=answer_key, same=same_answer) buckets by key and joins the buckets that only sympy can tell are equal.
-answer_key is canonical (a percent is its number of percent, not a pairwise "9% ~ 9 and ~ 0.09" rule), so
-"the same answer" stays an equivalence, as voting.py requires.
-
-`python -m bench.answers` measures is_equiv on the labelled set data/equiv_cases.jsonl against bare
-math-verify and plain string matching.
+key=answer_key, same=same_answer) buckets by key and joins the buckets that only sympy can tell are
+equal.
 """
 
 import functools
-import json
-import os
 import re
-import select
-import subprocess
-import sys
-import threading
 from fractions import Fraction
 
 EQUIV_TIME_LIMIT_S = 2.0
-MACHINE_DIGITS = 15  # a decimal with this many significant digits is a printed double, not a human rounding
+# a decimal with this many significant digits is a printed double, not a human rounding
+MACHINE_DIGITS = 15
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Extracting the final answer
 
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*(\{)?")
 _FINAL_ANSWER = re.compile(r"final answer\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
 _ANSWER_IS = re.compile(r"(?:final answer|the answer)\s*(?:is|:)\s*:?\s*", re.IGNORECASE)
-# $$...$$ and \[...\] may span lines, $...$ and \(...\) may not; "\$" is a dollar sign, not a delimiter
-_MATH_SPAN = re.compile(r"\$\$((?s:.+?))\$\$|(?<!\\)\$((?:\\\$|[^$\n])+?)(?<!\\)\$|\\\(([^\n]+?)\\\)|\\\[((?s:.+?))\\\]")
-# what may stand between boxes that together give one answer: "\boxed{-2} and \boxed{1}", "\boxed{1},\boxed{2}"
-_BOX_JOINER = re.compile(r"(?:\s|[,;.$~&]|\\[()\[\],;:! ]|\\q?quad\b|\\text\{[^{}\d]{0,30}\}|\b(?:and|or)\b)*")
+# $$...$$ and \[...\] may span lines, $...$ and \(...\) may not; "\$" is a dollar sign, not a
+# delimiter
+_MATH_SPAN = re.compile(r"\$\$((?s:.+?))\$\$|(?<!\\)\$((?:\\\$|[^$\n])+?)(?<!\\)\$"
+                        r"|\\\(([^\n]+?)\\\)|\\\[((?s:.+?))\\\]")
+# what may stand between boxes that together give one answer: "\boxed{-2} and \boxed{1}",
+# "\boxed{1},\boxed{2}"
+_BOX_JOINER = re.compile(r"(?:\s|[,;.$~&]|\\[()\[\],;:! ]|\\q?quad\b|\\text\{[^{}\d]{0,30}\}"
+                         r"|\b(?:and|or)\b)*")
 SHORT_RESPONSE_CHARS = 200
 
 
@@ -70,7 +64,8 @@ def _braced(text, start):
 
 
 def _boxes(text):
-    """(start, end, content) of every closed, non-empty \boxed{...} / \fbox{...} / "\boxed 5", outermost only."""
+    """(start, end, content) of every closed, non-empty \boxed{...} / \fbox{...} / "\boxed 5",
+    outermost only."""
     found = []
     for m in _BOX.finditer(text):
         if found and m.start() < found[-1][1]:
@@ -88,11 +83,13 @@ def _boxes(text):
 
 def _math_spans(text):
     r"""(start, end, content) of every $...$, $$...$$, \(...\), \[...\] span."""
-    return [(m.start(), m.end(), next(g for g in m.groups() if g is not None).strip()) for m in _MATH_SPAN.finditer(text)]
+    return [(m.start(), m.end(), next(g for g in m.groups() if g is not None).strip())
+            for m in _MATH_SPAN.finditer(text)]
 
 
 def _last_run(text, spans):
-    """Start and content of the last span, joined with the spans just before it that only connectors separate."""
+    """Start and content of the last span, joined with the spans just before it that only connectors
+    separate."""
     spans = [span for span in spans if span[2]]
     if not spans:
         return None, None
@@ -105,7 +102,8 @@ def _last_run(text, spans):
 
 
 def _sentence_answer(text, match):
-    """What follows an "answer is" match: its leading math span, else the sentence up to its full stop."""
+    """What follows an "answer is" match: its leading math span, else the sentence up to its full
+    stop."""
     rest = text[match.end():]
     math = _MATH_SPAN.match(rest)
     if math:
@@ -116,19 +114,22 @@ def _sentence_answer(text, match):
 
 
 def extract_answer(text):
-    r"""The final answer in a model's output, or None when it states none. The rules, first match wins:
+    r"""The final answer in a model's output, or None when it states none. The rules, first match
+    wins:
 
-    1. A "final answer is X" / "Final Answer: X" sentence after the last box (Minerva's "Final Answer: The
-       final answer is $X$. I hope it is correct.", or a conclusion that overrides a mid-solution box): X is
-       the sentence's leading math span ($X$, \(X\), ...), else the sentence up to its full stop.
-    2. The last \boxed{...} (or \fbox{...}, or "\boxed 5"); empty and unclosed boxes do not count. Boxes
-       just before it that only connectors separate (commas, "and", "or", \quad, $, a short \text{...}
-       without digits) belong to the same answer: "\boxed{-2} and \boxed{1}" gives "-2, 1".
+    1. A "final answer is X" / "Final Answer: X" sentence after the last box (Minerva's "Final
+       Answer: The final answer is $X$. I hope it is correct.", or a conclusion that overrides a
+       mid-solution box): X is the sentence's leading math span ($X$, \(X\), ...), else the sentence
+       up to its full stop.
+    2. The last \boxed{...} (or \fbox{...}, or "\boxed 5"); empty and unclosed boxes do not count.
+       Boxes just before it that only connectors separate (commas, "and", "or", \quad, $, a short
+       \text{...} without digits) belong to the same answer: "\boxed{-2} and \boxed{1}" gives
+       "-2, 1".
     3. The last "the answer is X" / "final answer: X" sentence, read as in rule 1.
-    4. A short response (at most SHORT_RESPONSE_CHARS characters, e.g. "Answer: $9$" or "We find $x<3$."):
-       its last math span, joined with the spans before it like boxes ("$1$ and $2$"). Unmarked prose
-       ("the number is 10") gives no answer, and a long solution that never marks its answer has none, so that a truncated rollout does not
-       vote with an intermediate value."""
+    4. A short response (at most SHORT_RESPONSE_CHARS characters, e.g. "Answer: $9$" or "We find
+       $x<3$."): its last math span, joined with the spans before it like boxes ("$1$ and $2$").
+       Unmarked prose ("the number is 10") gives no answer, and a long solution that never marks its
+       answer has none, so that a truncated rollout does not vote with an intermediate value."""
     if text is None:
         return None
     box_start, boxed = _last_run(text, _boxes(text))
@@ -150,30 +151,34 @@ _LAST_NUMBER = re.compile(r"-?\d*\.?\d+")
 
 
 def last_number(text):
-    """The last number in a text, or None: TTRL's original parser's fallback. "... so there are 25 ways." -> "25"."""
+    """The last number in a text, or None: TTRL's original parser's fallback. "... so there are 25
+    ways." -> "25"."""
     numbers = _LAST_NUMBER.findall((text or "").replace(",", ""))
     return numbers[-1] if numbers else None
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Canonical keys (string rules only)
 
-_UNICODE = {"\u2212": "-", "\u221e": r"\infty", "\u2264": r"\le ", "\u2265": r"\ge ", "\u00b0": r"^\circ",
-            "\u00d7": r"\times ", "\u00b7": r"\cdot ", "\u03c0": r"\pi ", "\u00b1": r"\pm ", "\u222a": r"\cup ",
-            "\u2009": r"\,", "\u202f": r"\,", "\u00a0": " "}
+_UNICODE = {"\u2212": "-", "\u221e": r"\infty", "\u2264": r"\le ", "\u2265": r"\ge ",
+            "\u00b0": r"^\circ", "\u00d7": r"\times ", "\u00b7": r"\cdot ", "\u03c0": r"\pi ",
+            "\u00b1": r"\pm ", "\u222a": r"\cup ", "\u2009": r"\,", "\u202f": r"\,", "\u00a0": " "}
 _SPACING = re.compile(r"(?<!\\)\\[,;:! ]|\\q?quad|~")
-_UNITS = (r"(?:square\s+|sq\.?\s+|cubic\s+)?(?:units?|cm|mm|km|m|meters?|metres?|inch(?:es)?|in|feet|foot|ft|"
-          r"yards?|miles?|mph|seconds?|minutes?|hours?|days?|years?|cents?|dollars?|degrees?|pounds?|"
-          r"grams?|kg|liters?|people|students|ways|sq)")
-_TRAILING_UNIT = re.compile(r"(?<=[\d}).])\s*(?:\\text\{\s*" + _UNITS + r"\s*\}|\\text\{\s*[a-zA-Z ]+\}|\s"
+_UNITS = (r"(?:square\s+|sq\.?\s+|cubic\s+)?(?:units?|cm|mm|km|m|meters?|metres?|inch(?:es)?|in|"
+          r"feet|foot|ft|yards?|miles?|mph|seconds?|minutes?|hours?|days?|years?|cents?|dollars?|"
+          r"degrees?|pounds?|grams?|kg|liters?|people|students|ways|sq)")
+_TRAILING_UNIT = re.compile(r"(?<=[\d}).])\s*(?:\\text\{\s*" + _UNITS
+                            + r"\s*\}|\\text\{\s*[a-zA-Z ]+\}|\s"
                             + _UNITS + r"\b)\s*(?:\^\{?[23]\}?)?\s*$")
 _CHOICE = re.compile(r"^(?:\\text\{\s*)?\(([A-E])\)")
 _NUMBER = re.compile(r"^([-+]?)(\d*)(?:\.(\d*))?(?:\\overline\{(\d+)\}|\\overline(\d))?$")
 _FRAC = re.compile(r"^([-+]?)(\d*)\\frac\{([-+]?\d+(?:\.\d+)?)\}\{(\d+(?:\.\d+)?)\}$")
 _SLASH = re.compile(r"^([-+]?)(\d+(?:\.\d+)?)/(\d+(?:\.\d+)?)$")
-_SCIENTIFIC = re.compile(r"^([-+]?\d*\.?\d+)(?:\\times|\\cdot)10\^\{?([-+]?\d+)\}?$|^([-+]?\d*\.?\d+)e([-+]?\d+)$")
-_RELATION = {r"\leq": "<=", r"\leqslant": "<=", r"\le": "<=", r"\geq": ">=", r"\geqslant": ">=", r"\ge": ">=",
-             r"\lt": "<", r"\gt": ">", "=<": "<=", "=>": ">=", r"\neq": "!=", r"\ne": "!="}
+_SCIENTIFIC = re.compile(r"^([-+]?\d*\.?\d+)(?:\\times|\\cdot)10\^\{?([-+]?\d+)\}?$"
+                         r"|^([-+]?\d*\.?\d+)e([-+]?\d+)$")
+_RELATION = {r"\leq": "<=", r"\leqslant": "<=", r"\le": "<=", r"\geq": ">=", r"\geqslant": ">=",
+             r"\ge": ">=", r"\lt": "<", r"\gt": ">", "=<": "<=", "=>": ">=", r"\neq": "!=",
+             r"\ne": "!="}
 _INFINITY = re.compile(r"\\infty|\\inf\b|\binf(?:inity)?\b|\boo\b")
 
 
@@ -197,7 +202,8 @@ def _split_top(s, sep):
 
 
 def _strip_delimiters(s):
-    r"""Remove what surrounds an answer: $...$, \(...\), \boxed{}, \displaystyle, a final full stop."""
+    r"""Remove what surrounds an answer: $...$, \(...\), \boxed{}, \displaystyle, a final full
+    stop."""
     while True:
         before = s
         s = re.sub(r"(?<!\d)\.$", "", s.strip()).strip()
@@ -221,17 +227,20 @@ def _as_fraction(sign, whole, num, den):
 
 
 def _number(s):
-    r"""The exact value of a plain number spelling (25, 025, 142.0, .5, 0.\overline{3}, \frac{3}{4}, 3/4,
-    1\frac{4}{5}, 6.72\times10^{-5}), or None."""
-    if len(s) > 1000:  # int() refuses more than 4300 digits; such a spelling is no plain answer anyway
+    r"""The exact value of a plain number spelling (25, 025, 142.0, .5, 0.\overline{3}, \frac{3}{4},
+    3/4, 1\frac{4}{5}, 6.72\times10^{-5}), or None."""
+    # int() refuses more than 4300 digits; such a spelling is no plain answer anyway
+    if len(s) > 1000:
         return None
     m = _NUMBER.match(s)
     if m and (m.group(2) or m.group(3) or m.group(4) or m.group(5)):
-        sign, whole, decimals, repeat = m.group(1), m.group(2) or "0", m.group(3) or "", m.group(4) or m.group(5)
+        sign, whole, decimals, repeat = (m.group(1), m.group(2) or "0", m.group(3) or "",
+                                         m.group(4) or m.group(5))
         value = Fraction(int(whole + decimals), 10 ** len(decimals))
         if repeat:
             value += Fraction(int(repeat), (10 ** len(repeat) - 1) * 10 ** len(decimals))
-        elif len((whole + decimals).lstrip("0")) >= MACHINE_DIGITS:  # a printed double: the fraction it rounds
+        # a printed double: the fraction it rounds
+        elif len((whole + decimals).lstrip("0")) >= MACHINE_DIGITS:
             simple = value.limit_denominator(10 ** 6)
             value = simple if abs(simple - value) <= abs(value) * Fraction(1, 10 ** 15) else value
         return -value if sign == "-" else value
@@ -250,14 +259,16 @@ def _number(s):
 
 
 def _fraction_str(value):
-    return str(value.numerator) if value.denominator == 1 else f"{value.numerator}/{value.denominator}"
+    return (str(value.numerator) if value.denominator == 1
+            else f"{value.numerator}/{value.denominator}")
 
 
 def _exact_decimals(s):
     r"""Write decimals inside an expression as exact fractions, so that sympy never rounds."""
     def exact(m):
         value = Fraction(m.group(0))
-        return str(value.numerator) if value.denominator == 1 else rf"\frac{{{value.numerator}}}{{{value.denominator}}}"
+        return (str(value.numerator) if value.denominator == 1
+                else rf"\frac{{{value.numerator}}}{{{value.denominator}}}")
     return re.sub(r"(?<![\d.])\d*\.\d+(?![\d.])", exact, s)
 
 
@@ -269,12 +280,14 @@ def _strip_presentation(s):
     s = re.sub(r"\\(?:left|right)\s*[.]", "", s)
     s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    s = re.sub(r"\\(?:textbf|textrm|textit|mathrm|mathbf|mbox|operatorname|textnormal)\s*\{", r"\\text{", s)
+    s = re.sub(r"\\(?:textbf|textrm|textit|mathrm|mathbf|mbox|operatorname|textnormal)\s*\{",
+               r"\\text{", s)
     s = re.sub(r"\{[bB]matrix\}", "{pmatrix}", s)
     # thousands separators: "10,\!080", "10\,080", "10{,}080", thin spaces
     s = re.sub(r"(?<=\d)(?:,\s*\\!|\{,\}|\\,|\\!|\\ |\\;)\s*(?=\d{3}(?!\d))", "", s)
     s = re.sub(r"\^\s*\{?\\circ\}?|\\circ|\\degree|\\text\{\s*degrees?\s*\}", "", s)
-    s = re.sub(r"\s*(?:\\?%|\\text\{\s*(?:percent(?:age)?|pct)\s*\}|percent(?:age)?|pct\.?)$", "", s)
+    s = re.sub(r"\s*(?:\\?%|\\text\{\s*(?:percent(?:age)?|pct)\s*\}|percent(?:age)?|pct\.?)$", "",
+               s)
     s = re.sub(r"\\\$|\$", "", s)
     s = re.sub(r"^\\text\{\s*\}", "", s)
     while True:
@@ -284,7 +297,8 @@ def _strip_presentation(s):
         s = stripped
     s = re.sub(r"\s*\\text\{\s*and\s*\}\s*|\s+and\s+", ", ", s)  # "p=-1 \text{ and } p=2": a list
     s = _SPACING.sub(" ", s).strip()
-    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):  # '58,500' is a number; '32, 349' is a list
+    # '58,500' is a number; '32, 349' is a list
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
         s = s.replace(",", "")
     return s
 
@@ -324,7 +338,8 @@ def _relations(s):
 
 
 def _inequality_interval(s):
-    """'x > 2' -> '(2,\\infty)', '-2 <= x <= 7' -> '[-2,7]', or None when s is no such inequality."""
+    """'x > 2' -> '(2,\\infty)', '-2 <= x <= 7' -> '[-2,7]', or None when s is no such
+    inequality."""
     rel = r"(<=|>=|<|>)"
     chain = re.fullmatch(r"(.+?)" + rel + r"([a-zA-Z])" + rel + r"(.+)", s)
     if chain:
@@ -351,17 +366,20 @@ def _inequality_interval(s):
 
 
 _NAME = r"[A-Za-z]+(?:_\{?\w+\}?)?'*"
-_LABEL = (rf"{_NAME}(?:\({_NAME}(?:,{_NAME})*\))?|\({_NAME}(?:,{_NAME})+\)|\|{_NAME}\||{_NAME}:{_NAME}"
-          rf"|\\frac\{{{_NAME}\}}\{{{_NAME}\}}")
-_LABELLED = re.compile(rf"({_LABEL})=([^=]+)")  # a name (x, AB, x_1, f(x), (p,q), |AB|, A:B, \frac{NO}{BO}) = value
+_LABEL = (rf"{_NAME}(?:\({_NAME}(?:,{_NAME})*\))?|\({_NAME}(?:,{_NAME})+\)|\|{_NAME}\|"
+          rf"|{_NAME}:{_NAME}|\\frac\{{{_NAME}\}}\{{{_NAME}\}}")
+# a name (x, AB, x_1, f(x), (p,q), |AB|, A:B, \frac{NO}{BO}) = value
+_LABELLED = re.compile(rf"({_LABEL})=([^=]+)")
 
 
 def _structure(s):
-    """Key of a cleaned answer with its outer structure: matrix, tuple, interval, union, set, list."""
+    """Key of a cleaned answer with its outer structure: matrix, tuple, interval, union, set,
+    list."""
     s = "".join(s.split())
     s = re.sub(r"^[a-zA-Z]\\in(?=.)", "", s)  # 'x \in [-2,7]'
     chain = _split_top(s, "=")
-    if len(chain) > 2 and len(_split_top(s, ",")) == 1 and chain[-1] and not re.search(r"[<>!]$", chain[-2]):  # 'x = 5+5+1 = 11': the last value
+    if (len(chain) > 2 and len(_split_top(s, ",")) == 1 and chain[-1]
+            and not re.search(r"[<>!]$", chain[-2])):  # 'x = 5+5+1 = 11': the last value
         s = chain[-1]
     label = _LABELLED.fullmatch(s)
     if label:  # 'x=5', '(p,q)=(3,2)', 'f(x)=1', 'a=4,-8,-10': the value
@@ -369,8 +387,10 @@ def _structure(s):
     m = re.fullmatch(r"(.*?)\\begin\{pmatrix\}(.*)\\end\{pmatrix\}", s)
     factor = _number(_canonical_atom(m.group(1))) if m and m.group(1) else 1
     if m and factor is not None:
-        rows = [[_canonical_atom(c) for c in row.split("&")] for row in m.group(2).split(r"\\") if row]
-        if factor != 1:  # 1/49 (16, 48, 24): multiply out a number factored from plain-number entries
+        rows = [[_canonical_atom(c) for c in row.split("&")]
+                for row in m.group(2).split(r"\\") if row]
+        # 1/49 (16, 48, 24): multiply out a number factored from plain-number entries
+        if factor != 1:
             values = [[_number(c) for c in row] for row in rows]
             if any(v is None for row in values for v in row):
                 return s
@@ -398,8 +418,10 @@ def _structure(s):
     names = {re.sub(r"_.*", "", l.group(1)) for l in labelled if l}
     if all(labelled) and len(names) == 1:  # 'x=1, x=-2', 'x_1=1, x_2=-2': the roots
         items = [l.group(2) for l in labelled]
-    elif all(labelled) and len(names) == len(items):  # 'AB=4, CD=5', 'y=2, x=1': a tuple in the order of the names
-        return "(" + ",".join(_canonical_atom(l.group(2)) for l in sorted(labelled, key=lambda l: l.group(1))) + ")"
+    # 'AB=4, CD=5', 'y=2, x=1': a tuple in the order of the names
+    elif all(labelled) and len(names) == len(items):
+        return "(" + ",".join(_canonical_atom(l.group(2))
+                              for l in sorted(labelled, key=lambda l: l.group(1))) + ")"
     expanded = []
     for item in items:
         if item.count(r"\pm") == 1:
@@ -433,8 +455,8 @@ def _key(ans):
 
 
 def answer_key(ans):
-    r"""Canonical spelling of an answer; equivalent spellings such as 0.5 and \frac12, 1,000 and 1000,
-    (1,2,3) and a column vector, 'x > 2' and (2,\infty) get the same key. None for None."""
+    r"""Canonical spelling of an answer; equivalent spellings such as 0.5 and \frac12, 1,000 and
+    1000, (1,2,3) and a column vector, 'x > 2' and (2,\infty) get the same key. None for None."""
     if ans is None:
         return None
     if isinstance(ans, (int, float)) and not isinstance(ans, bool):
@@ -442,102 +464,6 @@ def answer_key(ans):
     if not isinstance(ans, str):
         raise TypeError(f"answer must be a string (or None), got {type(ans).__name__}: {ans!r}")
     return _key(ans)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Symbolic equivalence in a helper process (sympy can hang; a process can be killed, a thread cannot)
-
-def _symbolic_equal(pred_key, gold_key):
-    from math_verify import parse, verify
-    gold = parse(f"${gold_key}$", parsing_timeout=None)
-    pred = parse(f"${pred_key}$", parsing_timeout=None)
-    return bool(gold and pred and verify(gold, pred, timeout_seconds=None))
-
-
-def _serve_symbolic():
-    """Body of the helper process: answer each '[pred_key, gold_key, seconds]' line with true/false."""
-    import logging
-    import signal
-    import math_verify  # noqa: F401  (import before 'ready' so that the first comparison is not slow)
-    logging.getLogger("math_verify").setLevel(logging.CRITICAL)
-    replies = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # a stray print from a library must not corrupt the replies
-
-    class Overrun(BaseException):
-        """Not an Exception, so that math-verify's own `except Exception` cannot swallow it."""
-
-    def interrupt(signum, frame):
-        raise Overrun
-
-    signal.signal(signal.SIGALRM, interrupt)
-    replies.write("ready\n")
-    replies.flush()
-    for line in sys.stdin:
-        pred_key, gold_key, seconds = json.loads(line)
-        try:
-            signal.setitimer(signal.ITIMER_REAL, seconds)
-            try:
-                equal = _symbolic_equal(pred_key, gold_key)
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-        except (Overrun, Exception):  # out of time, or sympy choked on strange input: not shown equal
-            equal = False
-        replies.write(json.dumps(equal) + "\n")
-        replies.flush()
-
-
-class _SymbolicWorker:
-    """One helper process per Python process, started on first use, killed when it overruns."""
-
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.process = None
-
-    def _start(self):
-        here = os.path.dirname(os.path.abspath(__file__))
-        module = os.path.splitext(os.path.basename(__file__))[0]
-        code = f"import sys; sys.path.insert(0, {here!r}); import {module}; {module}._serve_symbolic()"
-        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, bufsize=0)
-        if self._reply(timeout=120) != b"ready":
-            self._stop()
-            raise RuntimeError("the sympy helper process of verifier.py did not start; "
-                               "check that math-verify is installed (pip install math-verify)")
-
-    def _stop(self):
-        self.process.kill()
-        self.process.wait()
-        self.process = None
-
-    def _reply(self, timeout):
-        ready, _, _ = select.select([self.process.stdout], [], [], timeout)
-        return self.process.stdout.readline().strip() if ready else None
-
-    def equal(self, pred_key, gold_key, limit):
-        with self.lock:
-            if self.process is None or self.process.poll() is not None:
-                self._start()
-            request = json.dumps([pred_key, gold_key, 0.75 * limit]) + "\n"
-            try:
-                self.process.stdin.write(request.encode())
-            except BrokenPipeError:  # it died since the check above: once more with a fresh one
-                self._stop()
-                self._start()
-                self.process.stdin.write(request.encode())
-            reply = self._reply(limit)
-            if reply is None or not reply:  # overran its limit (stuck in C code) or died
-                self._stop()
-                return False
-            return reply == b"true"
-
-    def forget_after_fork(self):
-        """In a forked child the parent's helper is not ours: start a fresh one when needed."""
-        self.lock = threading.Lock()
-        self.process = None
-
-
-_worker = _SymbolicWorker()
-os.register_at_fork(after_in_child=_worker.forget_after_fork)
 
 
 _PLAIN = re.compile(r"-?\d+(?:/\d+)?|[A-E]|[a-z]{3,}")
@@ -549,9 +475,9 @@ def _decided_by_strings(key_a, key_b):
     """True/False when the keys alone decide, None when sympy has to.
 
     An empty answer equals nothing. Two different plain numbers, choice letters or words differ; an
-    equation (what is left after answer_key took 'x =' off) differs from a value. A number in a base (52_8)
-    equals the same digits written without the base (the question names the base), but not the digits in
-    another base."""
+    equation (what is left after answer_key took 'x =' off) differs from a value. A number in a base
+    (52_8) equals the same digits written without the base (the question names the base), but not
+    the digits in another base."""
     if not key_a or not key_b:
         return False
     if key_a == key_b:
@@ -573,7 +499,8 @@ def _keys_equiv(pred_key, gold_key, limit):
     decided = _decided_by_strings(pred_key, gold_key)
     if decided is not None:
         return decided
-    return _worker.equal(pred_key, gold_key, limit)
+    from machinery.symbolic import worker  # sympy in a helper process that can be killed
+    return worker.equal(pred_key, gold_key, limit)
 
 
 def is_equiv(pred, gold, timeout=EQUIV_TIME_LIMIT_S):
@@ -589,12 +516,14 @@ def is_equiv(pred, gold, timeout=EQUIV_TIME_LIMIT_S):
 
 
 def computed_float_equiv(printed, answer, timeout=EQUIV_TIME_LIMIT_S):
-    r"""A double a program printed at machine precision (98.99494936611666) against an exact answer that is not a
-    plain number (70\sqrt{2}, 2\pi): math-verify's numeric comparison, which rounds to the printed precision. For a
-    tool's computed values only; between answers is_equiv keeps 98.99494936611666 != 70\sqrt{2}."""
+    r"""A double a program printed at machine precision (98.99494936611666) against an exact answer
+    that is not a plain number (70\sqrt{2}, 2\pi): math-verify's numeric comparison, which rounds to
+    the printed precision. For a tool's computed values only; between answers is_equiv keeps
+    98.99494936611666 != 70\sqrt{2}."""
     if printed is None or answer is None:
         return False
-    return _worker.equal(printed, answer_key(answer), float(timeout))
+    from machinery.symbolic import worker
+    return worker.equal(printed, answer_key(answer), float(timeout))
 
 
 def same_answer(a, b):

@@ -1,35 +1,28 @@
-"""The run's settings: a Config of plain defaults (the paper's loop), presets on top, then the command line.
+"""The run's settings: a Config of plain defaults (the paper's loop), presets on top, then the
+command line.
 
-Every option states what it allows (a Range or a tuple of choices), and all are checked before anything
-loads, so a mistake ends in one line that names the option, the value and what to pass instead. A resumed
-run takes its saved config.json; options typed beside --resume must match it (RESUMABLE_CHANGES excepted).
+Every option states what it allows (a Range or a tuple of choices); machinery/options.py parses the
+command line and checks every value before anything loads, so a mistake ends in one line that names
+the option, the value and what to pass instead. A resumed run takes its saved config.json; options
+typed beside --resume must match it (RESUMABLE_CHANGES excepted). Standard library only.
 
-    cfg = parse_config(["--bench", "math500", "--omega", "inf"])       # what `python t3rl.py ...` runs
+    # what `python t3rl.py ...` runs
+    cfg = machinery.options.parse_config(["--bench", "math500", "--omega", "inf"])
 """
-import argparse
-import json
 import math
-import sys
-import time
-from dataclasses import dataclass, field, fields
-from pathlib import Path
+from dataclasses import dataclass, field
 
-import torch
-from accelerate.tracking import get_available_trackers
-from accelerate.utils import LoggerType
-
-from benchmarks import BENCHES
-from domains import ANSWER_RULES, domain_of
-from engine import INSTALL_HINT as VLLM_INSTALL_HINT, vllm_installed
-from grpo import AGGREGATIONS, bf16_supported
-from model import check_spec
-from runs import run_started, tracker_names
-from sampler import BACKENDS
+# the choices of the options that name a thing; the modules that implement them take them from here
+BENCHES = ("math500", "aime2024", "amc", "demo", "knk")
+ANSWER_RULES = ("strict", "last-number")
+BACKENDS = ("kv", "hf", "vllm")
+AGGREGATIONS = ("token-mean", "micro-token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
 class Range:
-    """Allowed numbers, written as an interval: [1, inf) excludes inf and nan, [1, inf] allows inf."""
+    """Allowed numbers, written as an interval:
+    [1, inf) excludes inf and nan, [1, inf] allows inf."""
     low: float
     high: float = math.inf
     low_open: bool = False
@@ -38,141 +31,214 @@ class Range:
     def __contains__(self, x) -> bool:
         if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
             return False
-        return (x > self.low if self.low_open else x >= self.low) and (x < self.high if self.high_open else x <= self.high)
+        return ((x > self.low if self.low_open else x >= self.low)
+                and (x < self.high if self.high_open else x <= self.high))
 
     def __str__(self):
         end = lambda x: f"{x:g}" if math.isinf(x) or x != int(x) else str(int(x))  # noqa: E731
-        return f"{'(' if self.low_open else '['}{end(self.low)}, {end(self.high)}{')' if self.high_open else ']'}"
+        return (f"{'(' if self.low_open else '['}{end(self.low)}, "
+                f"{end(self.high)}{')' if self.high_open else ']'}")
 
 COUNT, AT_LEAST_ONE, POSITIVE, NON_NEGATIVE = Range(0), Range(1), Range(0, low_open=True), Range(0)
 SHARE = Range(0, 1, high_open=False)
 
 
 def option(default, doc: str, allowed=None):
-    """A Config field: its default, its --help text, and what it allows (a Range, a tuple of choices, or None
-    for free text checked where it is used: paths and model names)."""
+    """A Config field: its default, its --help text, and what it allows (a Range, a tuple of
+    choices, or None for free text checked where it is used: paths and model names)."""
     return field(default=default, metadata={"doc": doc, "allowed": allowed})
 
 
 @dataclass
 class Config:
     # what to train
-    bench: str = option("demo", "benchmark", tuple(BENCHES))
+    bench: str = option("demo", "benchmark", BENCHES)
     limit: int = option(0, "use only the first LIMIT questions of the benchmark (0 = all)", COUNT)
-    model: str = option("embedded", "policy: Hub id, local folder, .gguf file, or 'embedded' (offline Qwen2.5-Coder-0.5B-Instruct)")
-    verifier_model: str = option("self", "verifier LLM: 'self' = frozen copy of the policy's starting weights "
-                                 "(self-verification), or any --model value (coder-1.5b: the offline paper verifier)")
-    preset: str = option("auto", "auto (cpu without a GPU, paper with one); ttrl: TTRL's own scripts; explicit options "
-                         "override it", ("auto", "paper", "ttrl", "cpu", "none"))
+    model: str = option("embedded", "policy: Hub id, local folder, .gguf file, or 'embedded' "
+                        "(offline Qwen2.5-Coder-0.5B-Instruct)")
+    verifier_model: str = option("self", "verifier LLM: 'self' = frozen copy of the policy's "
+                                 "starting weights (self-verification), or any --model value "
+                                 "(coder-1.5b: the offline paper verifier)")
+    preset: str = option("auto", "auto (cpu without a GPU, paper with one); ttrl: TTRL's own "
+                         "scripts; explicit options override it",
+                         ("auto", "paper", "ttrl", "cpu", "none"))
     # test-time RL
     n_votes: int = option(64, "N: rollouts sampled per question for the vote", AT_LEAST_ONE)
-    n_train: int = option(32, "M: rollouts per question kept (at random) for the GRPO update ('vote then sample'); "
-                          "GRPO compares rollouts within a group, so at least 2, at most N", Range(2))
+    n_train: int = option(32, "M: rollouts per question kept (at random) for the GRPO update "
+                          "('vote then sample'); GRPO compares rollouts within a group, so at "
+                          "least 2, at most N", Range(2))
     questions_per_step: int = option(8, "questions per step, all processes together", AT_LEAST_ONE)
-    episodes: int = option(10, "passes over the benchmark (paper: 10 MATH-500, 30 AMC, 80 AIME 2024)", AT_LEAST_ONE)
-    max_steps: int = option(0, "stop after this many steps (0 = as many as the episodes take)", COUNT)
-    drop_last: bool = option(True, "drop each episode's last partial step, as verl's dataloader does (drop_last=True)")
-    temperature: float = option(0.6, "rollout sampling temperature (> 0: GRPO's ratio needs the log-probs of the "
-                                "distribution the rollouts came from)", POSITIVE)
-    top_p: float = option(0.95, "rollout nucleus sampling mass", Range(0, 1, low_open=True, high_open=False))
+    episodes: int = option(10, "passes over the benchmark "
+                           "(paper: 10 MATH-500, 30 AMC, 80 AIME 2024)", AT_LEAST_ONE)
+    max_steps: int = option(0, "stop after this many steps (0 = as many as the episodes take)",
+                            COUNT)
+    drop_last: bool = option(True, "drop each episode's last partial step, as verl's dataloader "
+                             "does (drop_last=True)")
+    temperature: float = option(0.6, "rollout sampling temperature (> 0: GRPO's ratio needs the "
+                                "log-probs of the distribution the rollouts came from)", POSITIVE)
+    top_p: float = option(0.95, "rollout nucleus sampling mass",
+                          Range(0, 1, low_open=True, high_open=False))
     max_new_tokens: int = option(2560, "policy tokens per rollout", AT_LEAST_ONE)
-    backend: str = option("kv", "policy's sampler: the hand-written KV-cache sampler, transformers generate, or the vLLM "
-                          "engine (colocated, weights synced before each sampling call that follows an update)", BACKENDS)
-    sample_dtype: str = option("auto", "sampling compute dtype (auto: bfloat16 where supported, fixed in the run's "
-                                       "config.json when it starts)",
+    backend: str = option("kv", "policy's sampler: the hand-written KV-cache sampler, transformers "
+                          "generate, or the vLLM engine (colocated, weights synced before each "
+                          "sampling call that follows an update)", BACKENDS)
+    sample_dtype: str = option("auto", "sampling compute dtype (auto: bfloat16 where supported, "
+                               "fixed in the run's config.json when it starts)",
                                ("auto", "float32", "bfloat16"))
-    answer_rule: str = option("strict", "how a math rollout's answer is read: strict (a box or a stated answer, else "
-                              "none: no vote, reward 0) | last-number (else the last number, TTRL's original parser)",
-                              ANSWER_RULES)
+    answer_rule: str = option("strict", "how a math rollout's answer is read: strict (a box or a "
+                              "stated answer, else none: no vote, reward 0) | last-number (else "
+                              "the last number, TTRL's original parser)", ANSWER_RULES)
     # verification
-    verify: bool = option(True, "tool-verify rollouts (--no-verify is TTRL, without the verifier's cost)")
-    omega: float = option(5.0, "vote weight of a verified rollout: 1 = TTRL, inf = hard filtering (several values "
-                          "with --replay)", Range(1, high_open=False))
-    verify_budget: int = option(0, "verify at most K rollouts per answer class, the rest inherit (0 = verify all)", COUNT)
-    lazy_verify: bool = option(False, "verify only the rollouts whose verdicts can still change the pseudo-label: the "
-                               "labels and rewards of verifying all, at fewer verifier prompts (one or two calls a step); "
-                               "at omega 1 no verdict can, so every rollout is verified for the monitors")
+    verify: bool = option(True,
+                          "tool-verify rollouts (--no-verify is TTRL, without the verifier's cost)")
+    omega: float = option(5.0, "vote weight of a verified rollout: 1 = TTRL, inf = hard filtering "
+                          "(several values with --replay)", Range(1, high_open=False))
+    verify_budget: int = option(0, "verify at most K rollouts per answer class, the rest inherit "
+                                "(0 = verify all)", COUNT)
+    lazy_verify: bool = option(False, "verify only the rollouts whose verdicts can still change "
+                               "the pseudo-label: the labels and rewards of verifying all, at "
+                               "fewer verifier prompts (one or two calls a step); at omega 1 no "
+                               "verdict can, so every rollout is verified for the monitors")
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
-    verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)", NON_NEGATIVE)
-    verifier_top_p: float = option(0.95, "verifier nucleus sampling mass (the paper's 0.95, whatever the policy's)",
+    verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)",
+                                         NON_NEGATIVE)
+    verifier_top_p: float = option(0.95, "verifier nucleus sampling mass (the paper's 0.95, "
+                                   "whatever the policy's)",
                                    Range(0, 1, low_open=True, high_open=False))
-    verifier_backend: str = option("auto", "verifier's sampler (auto: the policy's --backend)", ("auto", *BACKENDS))
-    sandbox_timeout: float = option(5.0, "seconds each program (the verifier's, the agent's) may run", POSITIVE)
+    verifier_backend: str = option("auto", "verifier's sampler (auto: the policy's --backend)",
+                                   ("auto", *BACKENDS))
+    sandbox_timeout: float = option(5.0, "seconds each program (the verifier's, the agent's) "
+                                    "may run", POSITIVE)
     # TTRL-Agent (agent.py): the policy calls the interpreter itself
-    agent: bool = option(False, "agent rollouts: the policy may write ```python blocks, which run in the sandbox, "
-                         "their output appended before it goes on (TTRL-Agent: --agent --omega 1; with --study: "
-                         "agent rollouts beside the plain ones)")
-    agent_max_calls: int = option(4, "tool calls per agent rollout (a block after them is not run)", AT_LEAST_ONE)
+    agent: bool = option(False, "agent rollouts: the policy may write ```python blocks, which run "
+                         "in the sandbox, their output appended before it goes on (TTRL-Agent: "
+                         "--agent --omega 1; with --study: agent rollouts beside the plain ones)")
+    agent_max_calls: int = option(4, "tool calls per agent rollout (a block after them is not run)",
+                                  AT_LEAST_ONE)
     # optimisation (GRPO)
     lr: float = option(5e-7, "peak learning rate (AdamW, cosine schedule)", NON_NEGATIVE)
-    lr_schedule_unit: str = option("step", "what the cosine schedule counts: step (once per training step, its AdamW "
-                                   "steps share a learning rate, as verl) | optimizer-step", ("step", "optimizer-step"))
-    warmup_ratio: float = option(0.03, "share of the schedule spent warming the learning rate up (TTRL: 0.03)", SHARE)
-    mini_batch_questions: int = option(1, "Q: an optimizer step per Q questions' kept rollouts, so ceil(questions per "
-                                          "step / Q) per step (TTRL: 1; 0 = one per step)", COUNT)
-    scale_advantages: bool = option(True, "divide advantages by their group's std (--no-scale-advantages: Dr. GRPO)")
+    lr_schedule_unit: str = option("step", "what the cosine schedule counts: step (once per "
+                                   "training step, its AdamW steps share a learning rate, as verl) "
+                                   "| optimizer-step", ("step", "optimizer-step"))
+    warmup_ratio: float = option(0.03, "share of the schedule spent warming the learning rate up "
+                                 "(TTRL: 0.03)", SHARE)
+    mini_batch_questions: int = option(1, "Q: an optimizer step per Q questions' kept rollouts, so "
+                                       "ceil(questions per step / Q) per step (TTRL: 1; 0 = one "
+                                       "per step)", COUNT)
+    scale_advantages: bool = option(True, "divide advantages by their group's std "
+                                    "(--no-scale-advantages: Dr. GRPO)")
     weight_decay: float = option(0.01, "AdamW weight decay", NON_NEGATIVE)
-    clip_low: float = option(0.2, "PPO ratio clip below: rho >= 1 - CLIP_LOW", Range(0, 1, low_open=True, high_open=False))
-    clip_high: float = option(0.2, "PPO ratio clip above: rho <= 1 + CLIP_HIGH (DAPO's clip-higher: 0.28)", POSITIVE)
-    clip_ratio_c: float = option(3.0, "dual clip: a token with A < 0 loses at most C |A| (verl's clip_ratio_c; "
-                                 "inf = off)", Range(1, low_open=True, high_open=False))
-    kl_coef: float = option(0.0, "KL loss to the starting policy, verl's low_var_kl (paper: 0; TTRL's scripts: 0.001)",
-                            NON_NEGATIVE)
-    loss_agg: str = option("token-mean", "loss aggregation (grpo.py): token-mean over the mini-batch, or "
-                           "micro-token-mean, verl's (a token-mean per micro-batch, weighted by its share of the "
-                           "mini-batch's rollouts; TTRL's scripts)", AGGREGATIONS)
-    micro_batch_tokens: int = option(8192, "tokens per micro-batch (gradient accumulation over the rest)", AT_LEAST_ONE)
-    micro_batch_rollouts: int = option(0, "rollouts per micro-batch, in order, whatever their length (verl's "
-                                       "ppo_micro_batch_size_per_gpu; TTRL's scripts: 2); 0 = as many as "
-                                       "--micro-batch-tokens holds", COUNT)
-    grad_checkpointing: bool = option(True, "recompute activations in the backward pass to save memory")
-    bf16: bool = option(True, "bfloat16 autocast over float32 master weights where the hardware supports it")
+    clip_low: float = option(0.2, "PPO ratio clip below: rho >= 1 - CLIP_LOW",
+                             Range(0, 1, low_open=True, high_open=False))
+    clip_high: float = option(0.2, "PPO ratio clip above: rho <= 1 + CLIP_HIGH (DAPO's "
+                              "clip-higher: 0.28)", POSITIVE)
+    clip_ratio_c: float = option(3.0, "dual clip: a token with A < 0 loses at most C |A| (verl's "
+                                 "clip_ratio_c; inf = off)",
+                                 Range(1, low_open=True, high_open=False))
+    kl_coef: float = option(0.0, "KL loss to the starting policy, verl's low_var_kl (paper: 0; "
+                            "TTRL's scripts: 0.001)", NON_NEGATIVE)
+    loss_agg: str = option("token-mean", "loss aggregation (grpo.py): token-mean over the "
+                           "mini-batch, or micro-token-mean, verl's (a token-mean per micro-batch, "
+                           "weighted by its share of the mini-batch's rollouts; TTRL's scripts)",
+                           AGGREGATIONS)
+    micro_batch_tokens: int = option(8192, "tokens per micro-batch "
+                                     "(gradient accumulation over the rest)", AT_LEAST_ONE)
+    micro_batch_rollouts: int = option(0, "rollouts per micro-batch, in order, whatever their "
+                                       "length (verl's ppo_micro_batch_size_per_gpu; TTRL's "
+                                       "scripts: 2); 0 = as many as --micro-batch-tokens holds",
+                                       COUNT)
+    grad_checkpointing: bool = option(True,
+                                      "recompute activations in the backward pass to save memory")
+    bf16: bool = option(True, "bfloat16 autocast over float32 master weights "
+                        "where the hardware supports it")
     # the inference engine (--backend vllm)
-    vllm_gpu_memory_utilization: float = option(0.3, "share of each GPU's memory an engine takes (colocated beside "
-                                                "the trainer)", Range(0, 1, low_open=True, high_open=False))
-    vllm_is_correction: bool = option(False, "truncated importance sampling: weight each token's loss by "
-                                      "min(pi_old / pi_engine, --vllm-is-cap), as TRL's vllm_importance_sampling_correction")
+    vllm_gpu_memory_utilization: float = option(0.3, "share of each GPU's memory an engine takes "
+                                                "(colocated beside the trainer)",
+                                                Range(0, 1, low_open=True, high_open=False))
+    vllm_is_correction: bool = option(False, "truncated importance sampling: weight each token's "
+                                      "loss by min(pi_old / pi_engine, --vllm-is-cap), as TRL's "
+                                      "vllm_importance_sampling_correction")
     vllm_is_cap: float = option(3.0, "cap of the truncated importance weight", Range(1))
     # evaluation and bookkeeping
-    eval_every: int = option(2, "evaluate every K steps, and before and after training (0 = only before and after)",
-                             COUNT)
-    eval_samples: int = option(4, "k: sampled evaluation runs for avg@k (the papers' Pass@1) and maj@k (paper: 16 "
-                               "for AIME 2024, 4 otherwise; 0 = greedy@1 only)", COUNT)
+    eval_every: int = option(2, "evaluate every K steps, and before and after training (0 = only "
+                             "before and after)", COUNT)
+    eval_samples: int = option(4, "k: sampled evaluation runs for avg@k (the papers' Pass@1) and "
+                               "maj@k (paper: 16 for AIME 2024, 4 otherwise; 0 = greedy@1 only)",
+                               COUNT)
     eval_temperature: float = option(0.6, "sampling temperature of the k evaluation runs", POSITIVE)
-    eval_top_p: float = option(0.95, "nucleus mass of the k evaluation runs", Range(0, 1, low_open=True, high_open=False))
+    eval_top_p: float = option(0.95, "nucleus mass of the k evaluation runs",
+                               Range(0, 1, low_open=True, high_open=False))
     save_every: int = option(10, "checkpoint every K steps (and at the end)", AT_LEAST_ONE)
-    report_to: str = option("none", "experiment trackers, comma-separated, through accelerate: tensorboard, wandb, "
-                            "mlflow, comet_ml, aim, clearml, dvclive, swanlab, trackio | all (every one installed) | none")
+    report_to: str = option("none", "experiment trackers, comma-separated, through accelerate: "
+                            "tensorboard, wandb, mlflow, comet_ml, aim, clearml, dvclive, swanlab, "
+                            "trackio | all (every one installed) | none")
     out_dir: str = option("runs", "folder that holds the run folders")
     run_name: str = option("", "run folder name (default: bench-method-time)")
-    seed: int = option(0, "seed for sampling, downsampling and initialisation", Range(0, 2**32 - 1, high_open=False))
+    seed: int = option(0, "seed for sampling, downsampling and initialisation",
+                       Range(0, 2**32 - 1, high_open=False))
     resume: str = option("", "continue the run in this folder from its last checkpoint")
-    eval_only: bool = option(False, "evaluate the starting policy and stop: the baseline, no training")
-    study: bool = option(False, "the evidence study (study.py): sample n_votes rollouts for LIMIT level-stratified "
-                         "questions once, verify all, vote at k = 4..n_votes and omega 1, 2, 5, 10, inf; no training")
+    eval_only: bool = option(False,
+                             "evaluate the starting policy and stop: the baseline, no training")
+    study: bool = option(False, "the evidence study (study.py): sample n_votes rollouts for LIMIT "
+                         "level-stratified questions once, verify all, vote at k = 4..n_votes and "
+                         "omega 1, 2, 5, 10, inf; no training")
 
-# episodes (the T3RL paper and TTRL's scripts agree) and prompts per step (TTRL's scripts) for each benchmark;
-# where README's preset table cites them, in TTRL's verl/examples/ttrl/Qwen2.5-Math/{math,amc,aime}.sh
+@dataclass(frozen=True)
+class GRPOSettings:
+    """How grpo_step updates: the loss's constants (see the top of the file) and how the work
+    is cut."""
+    group_size: int                # M: rollouts per question; rewards come group after group
+    # Q: an optimizer step per Q groups (None: one for the whole batch)
+    mini_batch_groups: int | None = None
+    clip_low: float = 0.2          # eps_low
+    clip_high: float = 0.2         # eps_high
+    clip_ratio_c: float = 3.0      # c of the dual clip (inf: none)
+    kl_coef: float = 0.0           # beta (> 0 needs ref_model)
+    # scheduler.step() per optimizer step, or once per call ("step")
+    lr_schedule_unit: str = "optimizer-step"
+    agg: str = "token-mean"        # AGG, one of AGGREGATIONS
+    norm_len: int | None = None    # L_max of seq-mean-token-sum-norm: the rollouts' max new tokens
+    scale_advantages: bool = True  # divide by the group's std (False: Dr. GRPO)
+    temperature: float = 1.0       # T: the sampling temperature, log pi = log softmax(logits / T)
+    token_budget: int = 4096       # padded tokens per micro-batch (gradient accumulation)
+    # > 0: micro-batches of that many rollouts, in order (verl's fixed size)
+    micro_batch_rollouts: int = 0
+    max_grad_norm: float = 1.0
+    bf16: bool | None = None       # bfloat16 autocast over float32 weights (None: where supported)
+    gradient_checkpointing: bool = False
+    chunk_rows: int = 256          # response rows per chunk of the output head (token_logprobs)
+    # C of truncated importance sampling (None: off; needs the sampler's log-probs)
+    is_cap: float | None = None
+
+
+# episodes (the T3RL paper and TTRL's scripts agree) and prompts per step (TTRL's scripts) for each
+# benchmark; where README's preset table cites them, in TTRL's
+# verl/examples/ttrl/Qwen2.5-Math/{math,amc,aime}.sh
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 TTRL_QUESTIONS_PER_STEP = {"math500": 32, "amc": 8, "aime2024": 8}
 
 # Each preset states every choice of the protocol; README's preset table gives each value's source.
 PRESETS = {
     # the T3RL paper; where it is silent, TTRL's scripts, which it builds on
-    "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500",
-                  temperature=0.6, top_p=0.95, max_new_tokens=2560, kl_coef=0.0, lr_schedule_unit="step",
-                  loss_agg="micro-token-mean", micro_batch_rollouts=2, answer_rule="strict", drop_last=True,
-                  eval_every=2, eval_temperature=0.6, eval_top_p=0.95),
-    # TTRL's verl 0.4.1 scripts: the TTRL row, no verifier (--verify puts T3RL's on the same settings)
-    "ttrl": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", bench="math500",
-                 verify=False, omega=1.0, n_votes=64, n_train=32, temperature=1.0, top_p=1.0, max_new_tokens=3072,
-                 lr=5e-7, warmup_ratio=0.03, lr_schedule_unit="step", mini_batch_questions=1, kl_coef=0.001,
-                 clip_low=0.2, clip_high=0.2, clip_ratio_c=3.0, loss_agg="micro-token-mean", micro_batch_rollouts=2,
-                 answer_rule="strict", drop_last=True, eval_every=2, eval_samples=16, eval_temperature=0.6,
-                 eval_top_p=0.95),
-    # the kv sampler for both roles: on CPUs it is faster than vLLM's CPU engine (docs/results.md, engine bench)
-    "cpu": dict(bench="demo", verifier_model="coder-1.5b", backend="kv", verifier_backend="kv", n_votes=8, n_train=4,
-                questions_per_step=3, max_steps=4, max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
+    "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+                  bench="math500", temperature=0.6, top_p=0.95, max_new_tokens=2560, kl_coef=0.0,
+                  lr_schedule_unit="step", loss_agg="micro-token-mean", micro_batch_rollouts=2,
+                  answer_rule="strict", drop_last=True, eval_every=2, eval_temperature=0.6,
+                  eval_top_p=0.95),
+    # TTRL's verl 0.4.1 scripts: the TTRL row, no verifier (--verify puts T3RL's on the same
+    # settings)
+    "ttrl": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+                 bench="math500", verify=False, omega=1.0, n_votes=64, n_train=32, temperature=1.0,
+                 top_p=1.0, max_new_tokens=3072, lr=5e-7, warmup_ratio=0.03,
+                 lr_schedule_unit="step", mini_batch_questions=1, kl_coef=0.001, clip_low=0.2,
+                 clip_high=0.2, clip_ratio_c=3.0, loss_agg="micro-token-mean",
+                 micro_batch_rollouts=2, answer_rule="strict", drop_last=True, eval_every=2,
+                 eval_samples=16, eval_temperature=0.6, eval_top_p=0.95),
+    # the kv sampler for both roles: on CPUs it is faster than vLLM's CPU engine
+    # (docs/results.md, engine bench)
+    "cpu": dict(bench="demo", verifier_model="coder-1.5b", backend="kv", verifier_backend="kv",
+                n_votes=8, n_train=4, questions_per_step=3, max_steps=4, max_new_tokens=320,
+                verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
                 answer_rule="strict", drop_last=True, eval_every=0, eval_samples=4, save_every=3,
                 micro_batch_tokens=4096, mini_batch_questions=2),
     "none": {},
@@ -185,217 +251,9 @@ REPLAY_OMEGAS = [1.0, 2.0, 5.0, 10.0, math.inf]
 
 
 class OptionError(ValueError):
-    """An option's value is outside what it allows; the message names the option, the value and the range."""
-
-
-@dataclass
-class Command:
-    """What the command line asks for: one mode and its inputs. train and eval run `train` (eval stops after
-    the baseline evaluation); replay re-votes a run's saved rollouts for each omega and loads no model."""
-    mode: str                                   # "train" | "eval" | "replay" | "study"
-    cfg: Config | None = None                   # train, eval
-    replay_dir: Path | None = None              # replay
-    omegas: list[float] = field(default_factory=list)
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """One parser for every mode. Options default to 'not given' (SUPPRESS), so the parsed namespace holds
-    exactly what the user typed, and presets or a resumed config.json fill in the rest."""
-    parser = argparse.ArgumentParser(description="t3rl: tool-verified test-time RL (T3RL), on top of TTRL", argument_default=argparse.SUPPRESS)
-    for f in fields(Config):
-        allowed = f.metadata["allowed"]
-        text = f.metadata["doc"] + (f"; one of {' | '.join(allowed)}" if isinstance(allowed, tuple) else "")
-        text += f" (default: {f.default})".replace("%", "%%")
-        if f.type in (bool, "bool"):
-            parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, help=text)
-        else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag(f.name), type=kind, help=text, **({"nargs": "+"} if f.name == "omega" else {}))
-    parser.add_argument("--replay", metavar="RUN_DIR", help="mode: re-vote a run's saved rollouts for each --omega given "
-                        f"(default: {' '.join(f'{w:g}' for w in REPLAY_OMEGAS)}) and print the ablation table; "
-                        "loads no model")
-    return parser
-
-
-def parse_command(argv=None) -> Command:
-    """The mode and its checked inputs; raises OptionError (one line) before anything heavy starts."""
-    given = vars(build_parser().parse_args(argv))
-    if "replay" in given:
-        others = sorted(flag(k) for k in given if k not in ("replay", "omega"))
-        if others:
-            raise OptionError(f"--replay takes only --omega; drop {', '.join(others)}")
-        omegas = given.get("omega", REPLAY_OMEGAS)
-        for omega in omegas:
-            check_value("omega", omega)
-        return Command("replay", replay_dir=Path(given["replay"]), omegas=omegas)
-    if "omega" in given:
-        if len(given["omega"]) > 1:
-            raise OptionError(f"--omega {' '.join(f'{w:g}' for w in given['omega'])}: one value for a run "
-                              "(several only with --replay RUN_DIR)")
-        given["omega"] = given["omega"][0]
-    cfg = resumed_config(given) if given.get("resume") else new_config(given)
-    return Command("study" if cfg.study else "eval" if cfg.eval_only else "train", cfg=cfg)
-
-
-def parse_config(argv=None) -> Config:
-    """The Config of a train or eval command line (what tests and scripts call); --replay is main's."""
-    command = parse_command(argv)
-    if command.cfg is None:
-        raise OptionError("--replay is a mode of its own: run it through t3rl.main or the command line")
-    return command.cfg
-
-
-def new_config(given: dict) -> Config:
-    """Defaults, then the preset, then the options typed; the default run name is fixed here, once."""
-    cfg = Config()
-    check_value("preset", given.get("preset", cfg.preset))
-    preset = given.get("preset", cfg.preset)
-    preset = preset if preset != "auto" else ("paper" if has_gpu() else "cpu")
-    for key, value in PRESETS[preset].items():
-        setattr(cfg, key, value)
-    if preset in ("paper", "ttrl"):
-        bench = given.get("bench", cfg.bench)
-        cfg.episodes = PAPER_EPISODES.get(bench, cfg.episodes)
-        cfg.questions_per_step = TTRL_QUESTIONS_PER_STEP.get(bench, cfg.questions_per_step)
-        if preset == "paper":
-            cfg.eval_samples = 16 if bench == "aime2024" else 4
-            if vllm_installed():  # the paper's scale needs the engine; without it, the kv sampler
-                cfg.backend = cfg.verifier_backend = "vllm"
-    if given.get("study"):
-        # a study verifies every rollout; the cpu preset's budget and laziness only save training time; it never
-        # trains, so the rollouts kept for training only need to fit in whatever --n-votes it samples
-        cfg.verify_budget, cfg.lazy_verify = 0, False
-        cfg.n_train = min(cfg.n_train, given.get("n_votes", cfg.n_votes))
-    for key, value in given.items():
-        setattr(cfg, key, value)
-    cfg.preset = preset
-    if cfg.sample_dtype == "auto":  # fixed once, like the preset: a resume on another machine samples alike
-        cfg.sample_dtype = str(sample_dtype(cfg)).removeprefix("torch.")
-    check_config(cfg)
-    if not cfg.run_name:
-        cfg.run_name = free_run_name(cfg)
-    return cfg
-
-
-def resumed_config(given: dict) -> Config:
-    """The saved config.json of the run in --resume; options typed beside --resume must match it, except
-    those in RESUMABLE_CHANGES (listed when they change)."""
-    run_dir = Path(given["resume"])
-    path = run_dir / "config.json"
-    if not path.is_file():
-        what = "no such folder" if not run_dir.is_dir() else "no config.json in it"
-        raise OptionError(f"--resume {run_dir}: {what}; pass a run folder written by t3rl.py "
-                          f"(or start a new run without --resume)")
-    try:
-        saved = json.loads(path.read_text(encoding="utf-8"))
-        cfg = Config(**{k: v for k, v in saved.items() if k in {f.name for f in fields(Config)}})
-    except (ValueError, TypeError) as err:
-        raise OptionError(f"{path}: damaged ({err}); restore it from a copy, or start a new run") from None
-    changed = {k: v for k, v in given.items() if k not in ("resume", "preset") and v != getattr(cfg, k)}
-    refused = [f"{flag(k)} {v} (the run has {getattr(cfg, k)})" for k, v in changed.items()
-               if k not in RESUMABLE_CHANGES and not (cfg.study and grows_study(k, getattr(cfg, k), v))]
-    if refused:
-        raise OptionError(f"--resume {run_dir}: {'; '.join(refused)}; a resumed run keeps its config.json "
-                          f"(a study may only grow: a larger --n-votes or --limit): drop "
-                          f"{'these options' if len(refused) > 1 else 'that option'}, or start a new run with them")
-    for key, value in changed.items():
-        print(f"[t3rl] --resume: {flag(key)} {getattr(cfg, key)} -> {value}", file=sys.stderr)
-        setattr(cfg, key, value)
-    cfg.resume = str(run_dir)
-    check_config(cfg, source=f"{path}: ")
-    if cfg.sample_dtype == "bfloat16" and not native_bf16():
-        print(f"[t3rl] --resume: the run samples in bfloat16 ({path}), which this machine runs without native "
-              f"support, far slower than float32 (an AVX2 CPU: some 400x per product)", file=sys.stderr)
-    return cfg
-
-
-def grows_study(key: str, saved, given) -> bool:
-    """A study resumed with more rollouts per question or more questions (--limit 0: all) keeps what it has
-    and adds the rest: its k are nested subsets and --limit's stratified order extends the same list."""
-    if key == "n_votes":
-        return isinstance(given, int) and given > saved
-    return key == "limit" and saved != 0 and isinstance(given, int) and (given == 0 or given > saved)
-
-
-def check_value(name: str, value):
-    allowed = Config.__dataclass_fields__[name].metadata["allowed"]
-    if isinstance(allowed, Range) and value not in allowed:
-        raise OptionError(f"{flag(name)} {value}: must be in {allowed}")
-    if isinstance(allowed, tuple) and value not in allowed:
-        raise OptionError(f"{flag(name)} {value}: choose one of {', '.join(allowed)}")
-
-
-def check_config(cfg: Config, source: str = ""):
-    """Every option against what it allows, then the ones that depend on each other, then the model names
-    (cheaply: a path that exists, a GGUF's magic, a Hub id that is cached or reachable), before anything loads."""
-    try:
-        if isinstance(cfg.temperature, (int, float)) and not cfg.temperature > 0:
-            raise OptionError(f"--temperature {cfg.temperature}: must be > 0; GRPO's ratio needs the log-probs of "
-                              f"the distribution the rollouts came from, which greedy decoding does not have "
-                              f"(greedy@1 is evaluated anyway)")
-        for f in fields(Config):
-            check_value(f.name, getattr(cfg, f.name))
-        if cfg.answer_rule != "strict" and domain_of(cfg.bench).name != "math":
-            raise OptionError(f"--answer-rule {cfg.answer_rule}: reads numbers, for math benchmarks only; drop it "
-                              f"for --bench {cfg.bench}")
-        if cfg.vllm_is_correction and cfg.backend != "vllm":
-            raise OptionError(f"--vllm-is-correction: corrects the vLLM engine's rollouts; pass --backend vllm "
-                              f"(the policy's is {cfg.backend}) or drop it")
-        for option, backend in (("--backend", cfg.backend), ("--verifier-backend", verifier_backend(cfg))):
-            if backend == "vllm" and not vllm_installed():
-                raise OptionError(f"{option} vllm: vLLM is not installed; {VLLM_INSTALL_HINT}")
-        if cfg.n_train > cfg.n_votes:
-            raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes ({cfg.n_votes}); "
-                              f"M rollouts are kept out of the N sampled")
-        for name in tracker_names(cfg):
-            if name not in LoggerType.list():
-                raise OptionError(f"--report-to {name}: choose from {', '.join(LoggerType.list())} or none")
-            if name != "all" and name not in {str(t) for t in get_available_trackers()}:
-                raise OptionError(f"--report-to {name}: the {name} package is not installed; pip install {name}")
-    except OptionError as err:
-        raise OptionError(f"{source}{err}") from None
-    check_spec(cfg.model, "--model")
-    if cfg.verify and cfg.verifier_model != "self":
-        check_spec(cfg.verifier_model, "--verifier-model")
-
-
-def free_run_name(cfg: Config) -> str:
-    """bench-method-time, with a suffix when that folder already holds a run (two runs started in one second)."""
-    method = "study" if cfg.study else "ttrl" if not cfg.verify or cfg.omega == 1 else f"t3rl-w{cfg.omega:g}"
-    method += "-agent" if cfg.agent else ""
-    name = f"{cfg.bench}-{method}-{time.strftime('%Y%m%d-%H%M%S')}"
-    suffix = 1
-    while run_started(Path(cfg.out_dir) / (name if suffix == 1 else f"{name}-{suffix}")):
-        suffix += 1
-    return name if suffix == 1 else f"{name}-{suffix}"
-
-
-def sampler_options(cfg: Config) -> dict:
-    """The policy's backend, and for kv and vllm its compute dtype (hf samples in the model's own dtype)."""
-    return dict(backend="hf") if cfg.backend == "hf" else dict(backend=cfg.backend, dtype=sample_dtype(cfg))
+    """An option's value is outside what it allows; the message names the option, the value
+    and the range."""
 
 
 def verifier_backend(cfg: Config) -> str:
     return cfg.backend if cfg.verifier_backend == "auto" else cfg.verifier_backend
-
-
-def sample_dtype(cfg: Config):
-    """Compute dtype for sampling: bfloat16 where the hardware runs it natively, else float32
-    (an AVX2 CPU; a GPU before compute capability 8.0, which emulates bfloat16 and where vLLM
-    refuses it), unless the user says otherwise."""
-    if cfg.sample_dtype == "auto":
-        return torch.bfloat16 if native_bf16() else torch.float32
-    return getattr(torch, cfg.sample_dtype)
-
-
-def native_bf16() -> bool:
-    """Whether the device a run samples on (a GPU when there is one) runs bfloat16 natively."""
-    return bf16_supported(torch.device("cuda" if has_gpu() else "cpu"))
-
-
-def has_gpu() -> bool:
-    return torch.cuda.is_available()

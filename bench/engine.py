@@ -17,8 +17,8 @@ import time
 import torch
 
 from bench.sampler import verifier_bench_prompts
-from engine import vllm_installed
-from model import load_model
+from machinery.engine import vllm_installed
+from machinery.model import load_model
 from sampler import generate
 from t3rl import policy_prompt
 

@@ -1,7 +1,7 @@
-"""Benchmarks of sampler.py: the hf and kv backends side by side (tokens per second, milliseconds per decode
-step, and the floors the machine allows: bytes per step over the memory bandwidth, FLOP per step over the
-matmul rate), and, with --verifier-prompts, the kv sampler against its older self (a git revision) on one
-step's verifier prompts.
+"""Benchmarks of sampler.py: the hf and kv backends side by side (tokens per second, milliseconds
+per decode step, and the floors the machine allows: bytes per step over the memory bandwidth, FLOP
+per step over the matmul rate), and, with --verifier-prompts, the kv sampler against its older self
+(a git revision) on one step's verifier prompts.
 
     python -m bench.sampler [--n 8 32] [--dtypes float32 bfloat16] [--compile]
     python -m bench.sampler --verifier-prompts [--max-new-tokens 256] [--baseline REV]
@@ -20,40 +20,46 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
 import sampler
-from model import load_model, offline_model
-from sampler import generate, head_dim_of, model_weights, prefix_plan
-from domains import MATH
-from grpo import bf16_supported
+from machinery.kv_fast import head_dim_of, model_weights, prefix_plan
+from machinery.model import load_model, offline_model
+from sampler import generate
+from machinery.domains import MATH
+from machinery.update import bf16_supported
 from verifier import verifier_prompt
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # git show reads sampler.py's history here
-QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=151643,
-                   eos_token_id=151645)
-BENCH_PROMPT = ("<|im_start|>system\nPlease reason step by step, and put your final answer within \\boxed{}."
-                "<|im_end|>\n<|im_start|>user\nLet $f(x) = x^4 - 4x^3 + 6x^2 - 4x + 1$ and let $g(x) = f(x+1) - f(x)$. "
-                "A sequence is defined by $a_1 = 2$ and $a_{n+1} = g(a_n) \\bmod 97$ for $n \\ge 1$. Find the "
+# git show reads sampler.py's history here
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                   num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                   max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                   tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645)
+BENCH_PROMPT = ("<|im_start|>system\nPlease reason step by step, and put your final answer within "
+                "\\boxed{}.<|im_end|>\n<|im_start|>user\nLet $f(x) = x^4 - 4x^3 + 6x^2 - 4x + 1$ "
+                "and let $g(x) = f(x+1) - f(x)$. A sequence is defined by $a_1 = 2$ and "
+                "$a_{n+1} = g(a_n) \\bmod 97$ for $n \\ge 1$. Find the "
                 "smallest positive integer $k$ with $a_k = a_1$, and "
                 "determine the sum $a_1 + a_2 + \\cdots + a_{10}$ modulo $97$.<|im_end|>\n"
                 "<|im_start|>assistant\n")
 
 
 def bench_model(spec: str, device: str):
-    """(float32 model, tokenizer or None): an offline model ('embedded', 'coder-1.5b', ...), 'qwen2.5-1.5b' (random
-    weights) or a config.json path."""
+    """(float32 model, tokenizer or None): an offline model ('embedded', 'coder-1.5b', ...),
+    'qwen2.5-1.5b' (random weights) or a config.json path."""
     if offline_model(spec):
         model, tokenizer = load_model(spec)
         return model.to(device), tokenizer
-    config = Qwen2Config(**QWEN25_1_5B) if spec == "qwen2.5-1.5b" else AutoConfig.from_pretrained(spec)
+    config = (Qwen2Config(**QWEN25_1_5B) if spec == "qwen2.5-1.5b"
+              else AutoConfig.from_pretrained(spec))
     torch.manual_seed(0)
-    with torch.device(device):  # speed does not depend on the weights' values, so random ones will do
+    # speed does not depend on the weights' values, so random ones will do
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     return model, None
 
 
 def measure_bandwidth(device, seconds=1.0) -> float:
-    """Bytes per second read by summing a 512 MiB tensor (decoding streams the weights like this)."""
+    """Bytes per second read by summing a 512 MiB tensor (decoding streams the weights like
+    this)."""
     x = torch.ones(128 << 20, device=device)
     return x.numel() * x.element_size() * _rate(lambda: x.sum(), device, seconds)
 
@@ -65,7 +71,8 @@ def measure_matmul(device, dtype, seconds=1.0) -> float:
 
 
 def _rate(fn, device, seconds) -> float:
-    """Calls per second of fn at its best (the fastest call), so other load on the machine lowers it least."""
+    """Calls per second of fn at its best (the fastest call), so other load on the machine lowers
+    it least."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     fn()
     sync()
@@ -81,27 +88,32 @@ def _rate(fn, device, seconds) -> float:
 def decode_floor(model, rows, context, dtype, bandwidth, flops_rate):
     """Seconds per decode step the machine allows: (bytes read / bandwidth, FLOP / matmul rate).
 
-    Each step reads every weight matrix once (not the embedding table, only `rows` of it, unless the head is
-    tied to it) and the keys and values of `context` columns; it does 2 FLOP per weight per row, plus
-    2 * 2 * heads * head_dim FLOP per row, layer and context column for attention.
+    Each step reads every weight matrix once (not the embedding table, only `rows` of it, unless the
+    head is tied to it) and the keys and values of `context` columns; it does 2 FLOP per weight per
+    row, plus 2 * 2 * heads * head_dim FLOP per row, layer and context column for attention.
     """
     config, head_dim = model.config, head_dim_of(model.config)
     weights = sum(p.numel() for p in model.parameters())
     if not config.tie_word_embeddings:
         weights -= model.model.embed_tokens.weight.numel()
     element = torch.empty((), dtype=dtype).element_size()
-    cache = 2 * config.num_hidden_layers * rows * config.num_key_value_heads * context * head_dim * element
-    flop = 2 * rows * weights + 4 * rows * config.num_hidden_layers * config.num_attention_heads * head_dim * context
+    cache = (2 * config.num_hidden_layers * rows * config.num_key_value_heads * context * head_dim
+             * element)
+    flop = (2 * rows * weights
+            + 4 * rows * config.num_hidden_layers * config.num_attention_heads * head_dim * context)
     return (weights * element + cache) / bandwidth, flop / flops_rate
 
 
 def matmul_seconds(model, rows, dtype, device) -> float:
-    """One decode step's matrix products alone (every layer's projections and the head) on `rows` rows with
-    the model's weights, at their best: what a step would cost if nothing else took any time."""
+    """One decode step's matrix products alone (every layer's projections and the head) on `rows`
+    rows with the model's weights, at their best: what a step would cost if nothing else took any
+    time."""
     w, config = model_weights(model, dtype), model.config
     hidden, attention = config.hidden_size, config.num_attention_heads * head_dim_of(config)
-    products = [(lin, width) for layer in w.layers for lin, width in ((layer.qkv, hidden), (layer.o, attention),
-                (layer.gate_up, hidden), (layer.down, config.intermediate_size))] + [(w.head, hidden)]
+    products = [(lin, width) for layer in w.layers
+                for lin, width in ((layer.qkv, hidden), (layer.o, attention),
+                                   (layer.gate_up, hidden), (layer.down, config.intermediate_size))]
+    products += [(w.head, hidden)]
     inputs = {width: torch.randn(rows, width, dtype=dtype, device=device) for _, width in products}
     return 1 / _rate(lambda: [lin(inputs[width]) for lin, width in products], device, 1.0)
 
@@ -109,10 +121,12 @@ def matmul_seconds(model, rows, dtype, device) -> float:
 def bench(spec, device, ns, max_new_tokens, compile, dtypes):
     device = torch.device(device)
     base, tokenizer = bench_model(spec, device)
-    prompt = tokenizer(BENCH_PROMPT, add_special_tokens=False).input_ids if tokenizer else list(range(1000, 1150))
+    prompt = (tokenizer(BENCH_PROMPT, add_special_tokens=False).input_ids if tokenizer
+              else list(range(1000, 1150)))
     bandwidth = measure_bandwidth(device)
-    print(f"model {spec} ({sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters) on {device}, "
-          f"prompt {len(prompt)} tokens, {max_new_tokens} new tokens, EOS ignored, temperature 0.6, top_p 0.95; "
+    print(f"model {spec} ({sum(p.numel() for p in base.parameters()) / 1e6:.0f}M parameters) on "
+          f"{device}, prompt {len(prompt)} tokens, {max_new_tokens} new tokens, EOS ignored, "
+          f"temperature 0.6, top_p 0.95; "
           f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
     runs = []  # (label, model, kv options)
     for dtype in dtypes:
@@ -122,109 +136,121 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
         if dtype == torch.bfloat16:
             runs.append(("f32 weights, dtype=bf16", "kv", base, {"dtype": dtype}))
     if compile:  # compiled twins of the kv rows, measured beside them
-        runs += [(label, backend, model, {**options, "compile": True}) for label, backend, model, options in runs
-                 if backend == "kv"]
+        runs += [(label, backend, model, {**options, "compile": True})
+                 for label, backend, model, options in runs if backend == "kv"]
     rates = {dtype: measure_matmul(device, dtype) for dtype in (torch.float32, torch.bfloat16)}
     table = []
     for n in ns:
         for label, backend, model, options in tqdm(runs, desc=f"n={n}", file=sys.stderr):
-            generate(model, tokenizer, [prompt], n=n, max_new_tokens=4, backend=backend, seed=0, ignore_eos=True,
-                     **options)  # warm-up (and compilation)
+            generate(model, tokenizer, [prompt], n=n, max_new_tokens=4, backend=backend, seed=0,
+                     ignore_eos=True, **options)  # warm-up (and compilation)
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             sync()
             t0 = time.perf_counter()
-            out = generate(model, tokenizer, [prompt], n=n, max_new_tokens=max_new_tokens, backend=backend, seed=0,
-                           ignore_eos=True, **options)
+            out = generate(model, tokenizer, [prompt], n=n, max_new_tokens=max_new_tokens,
+                           backend=backend, seed=0, ignore_eos=True, **options)
             sync()
             seconds = time.perf_counter() - t0
             assert all(c.num_tokens == max_new_tokens for c in out[0])
             dtype = options.get("dtype") or next(model.parameters()).dtype
-            by_bytes, by_flop = decode_floor(model, n, len(prompt) + max_new_tokens / 2, dtype, bandwidth,
-                                             rates[dtype])
+            by_bytes, by_flop = decode_floor(model, n, len(prompt) + max_new_tokens / 2, dtype,
+                                             bandwidth, rates[dtype])
             matmuls = matmul_seconds(model, n, dtype, device)
             shown = backend + ("+compile" if options.get("compile") else "")
-            table.append((n, label, shown, dtype, n * max_new_tokens / seconds, seconds / max_new_tokens,
-                          by_bytes, by_flop, matmuls))
+            table.append((n, label, shown, dtype, n * max_new_tokens / seconds,
+                          seconds / max_new_tokens, by_bytes, by_flop, matmuls))
     print(f"\n{'n':>3} {'dtype':<24} {'backend':<10} {'tok/s':>8} {'ms/step':>8} {'x hf':>6} "
           f"{'floor ms (bytes)':>16} {'floor ms (FLOP)':>15} {'x floor':>7} {'matmuls ms':>10}")
     for n, label, backend, dtype, tps, step_s, by_bytes, by_flop, matmuls in table:
         hf = next(t for t in table if t[0] == n and t[2] == "hf" and t[3] == dtype)
-        print(f"{n:>3} {label:<24} {backend:<10} {tps:>8.1f} {step_s * 1e3:>8.1f} {tps / hf[4]:>6.2f} "
-              f"{by_bytes * 1e3:>16.1f} {by_flop * 1e3:>15.1f} {step_s / max(by_bytes, by_flop):>7.2f} "
-              f"{matmuls * 1e3:>10.1f}")
+        print(f"{n:>3} {label:<24} {backend:<10} {tps:>8.1f} {step_s * 1e3:>8.1f} "
+              f"{tps / hf[4]:>6.2f} {by_bytes * 1e3:>16.1f} {by_flop * 1e3:>15.1f} "
+              f"{step_s / max(by_bytes, by_flop):>7.2f} {matmuls * 1e3:>10.1f}")
     print(f"matmul rate: float32 {rates[torch.float32] / 1e9:.3g} GFLOP/s, "
-          f"bfloat16 {rates[torch.bfloat16] / 1e9:.3g} GFLOP/s; x hf compares with hf in the same dtype "
-          f"(bfloat16 for the dtype=bf16 row); x floor = ms/step over the larger floor; matmuls = the step's matrix "
-          f"products alone, timed on their own with these weights")
+          f"bfloat16 {rates[torch.bfloat16] / 1e9:.3g} GFLOP/s; x hf compares with hf in the "
+          f"same dtype (bfloat16 for the dtype=bf16 row); x floor = ms/step over the larger floor; "
+          f"matmuls = the step's matrix products alone, timed on their own with these weights")
 
 
-# --------------------------------------------------------------------------- benchmark: the verifier's prompts
+# --------------------------------------------------------------------------- the verifier's prompts
 
-BASELINE_REV = "5e94512"  # main before shared-prefix prefill (issue 15): the old path of --verifier-prompts
+# main before shared-prefix prefill (issue 15): the old path of --verifier-prompts
+BASELINE_REV = "5e94512"
 
 
 def written_rollout(problem: dict, k: int) -> str:
-    """A rollout for the bench: k + 2 reasoning steps, then the right answer (k even) or a wrong one."""
-    steps = "\n".join(f"Step {i + 1}: take the quantities the problem gives and combine them as it asks; "
-                      f"check the units and the arithmetic once more." for i in range(2 + 3 * k))
+    """A rollout for the bench: k + 2 reasoning steps, then the right answer (k even) or a wrong
+    one."""
+    steps = "\n".join(f"Step {i + 1}: take the quantities the problem gives and combine them as it "
+                      f"asks; check the units and the arithmetic once more."
+                      for i in range(2 + 3 * k))
     answer = problem["answer"] if k % 2 == 0 else problem["answer"] + "1"
-    return f"We read the problem carefully.\n{problem['problem']}\n{steps}\nSo the answer is $\\boxed{{{answer}}}$."
+    return (f"We read the problem carefully.\n{problem['problem']}\n{steps}\nSo the answer is "
+            f"$\\boxed{{{answer}}}$.")
 
 
 def verifier_bench_prompts(tokenizer, problems: int, rollouts: int) -> list[list[int]]:
-    """Token ids of problems x rollouts verifier prompts (demo problems, written rollouts), in the verifier's
-    chat template as model_verifier sends them: a step's N rollouts of one question share the system
-    prompt and the problem."""
+    """Token ids of problems x rollouts verifier prompts (demo problems, written rollouts), in the
+    verifier's chat template as model_verifier sends them: a step's N rollouts of one question share
+    the system prompt and the problem."""
     with open(os.path.join(REPO, "data", "demo.jsonl")) as fh:
         records = [json.loads(line) for line in fh][:problems]
-    requests = [verifier_prompt(r["problem"], written_rollout(r, k), MATH) for r in records for k in range(rollouts)]
-    chats = [tokenizer.apply_chat_template([{"role": "system", "content": p.system}, {"role": "user", "content": p.user}],
-                                           tokenize=False, add_generation_prompt=True) for p in requests]
+    requests = [verifier_prompt(r["problem"], written_rollout(r, k), MATH)
+                for r in records for k in range(rollouts)]
+    chats = [tokenizer.apply_chat_template([{"role": "system", "content": p.system},
+                                            {"role": "user", "content": p.user}],
+                                           tokenize=False, add_generation_prompt=True)
+             for p in requests]
     return [tokenizer(chat, add_special_tokens=False).input_ids for chat in chats]
 
 
 def baseline_sampler(rev: str):
     """sampler.py as it was at git revision `rev`, imported under the name sampler_<rev>."""
-    source = subprocess.run(["git", "show", f"{rev}:sampler.py"], cwd=REPO, capture_output=True, text=True,
-                            check=True).stdout
+    source = subprocess.run(["git", "show", f"{rev}:sampler.py"], cwd=REPO, capture_output=True,
+                            text=True, check=True).stdout
     module = types.ModuleType(f"sampler_{rev}")
     exec(compile(source, f"sampler.py@{rev}", "exec"), module.__dict__)
     return module
 
 
 def prefill_flop(model, tokens: int) -> int:
-    """FLOP of the weight matrix products for `tokens` prompt tokens (2 per weight and token; the tied or separate
-    head counted for one token per prompt, so left out)."""
+    """FLOP of the weight matrix products for `tokens` prompt tokens (2 per weight and token; the
+    tied or separate head counted for one token per prompt, so left out)."""
     body = sum(p.numel() for name, p in model.named_parameters() if ".layers." in name)
     return 2 * body * tokens
 
 
 def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, baseline_rev):
-    """Old (git revision baseline_rev) against new sampler on the verifier prompts of one step: prefill alone
-    (max_new_tokens=1), then whole verifier generations, seeded, so both paths give the same tokens."""
+    """Old (git revision baseline_rev) against new sampler on the verifier prompts of one step:
+    prefill alone (max_new_tokens=1), then whole verifier generations, seeded, so both paths give
+    the same tokens."""
     device = torch.device(device)
     model, tokenizer = bench_model(spec, device)
-    if tokenizer is None:  # random weights: the embedded model's tokenizer (Qwen2.5's vocabulary) writes the prompts
+    # random weights: the embedded model's tokenizer (Qwen2.5's vocabulary) writes the prompts
+    if tokenizer is None:
         tokenizer = load_model("embedded")[1]
     prompts = verifier_bench_prompts(tokenizer, problems, rollouts)
     plan = prefix_plan([list(p) for p in dict.fromkeys(map(tuple, prompts))])
     total = sum(map(len, prompts))
     own = sum(len(p) - step.shared for p, step in zip(dict.fromkeys(map(tuple, prompts)), plan))
     matmul_rate = measure_matmul(device, dtype)
-    print(f"model {spec}, {dtype}, {device}, {torch.get_num_threads()} threads; {len(prompts)} verifier prompts, "
+    print(f"model {spec}, {dtype}, {device}, {torch.get_num_threads()} threads; {len(prompts)} "
+          f"verifier prompts, "
           f"{total} tokens (mean {total / len(prompts):.0f}), {own} of them after a shared start; "
           f"matmul rate {matmul_rate / 1e9:.0f} GFLOP/s")
     options = dict(n=1, temperature=0.6, top_p=0.95, seed=0, dtype=dtype)
-    paths = [(f"old ({baseline_rev})", baseline_sampler(baseline_rev), {}), ("new", sampler, dict(frozen=True))]
+    paths = [(f"old ({baseline_rev})", baseline_sampler(baseline_rev), {}),
+             ("new", sampler, dict(frozen=True))]
     results = {}
     for label, module, extra in paths:
         if extra:  # the verifier's weights (packed) are made on its first call and kept: not timed
             module.generate(model, None, prompts[:1], max_new_tokens=1, **options, **extra)
-        prefill_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options, **extra)
+        prefill_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options,
+                                **extra)
         total_s = prefill_s
         if max_new_tokens > 1:
-            total_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=max_new_tokens, **options,
-                                  **extra)
+            total_s, out = _timed(module.generate, model, None, prompts,
+                                  max_new_tokens=max_new_tokens, **options, **extra)
         results[label] = (prefill_s, total_s, [g[0].token_ids for g in out])
     (old_label, old), (new_label, new) = list(results.items())[:2]
     same_tokens = old[2] == new[2]
@@ -232,22 +258,25 @@ def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, base
     print(f"{max_new_tokens} new tokens at most; generated: " + ", ".join(
         f"{label} {n} ({n / len(prompts):.0f} per rollout)" for label, n in generated.items())
         + f"; same tokens on both paths: {same_tokens}")
-    print(f"{'path':<16} {'':>4} {'prefill s':>9} {'prompt tok/s':>12} {'x matmul rate':>13} {'total s':>8} "
-          f"{'s/rollout':>9}")
+    print(f"{'path':<16} {'':>4} {'prefill s':>9} {'prompt tok/s':>12} {'x matmul rate':>13} "
+          f"{'total s':>8} {'s/rollout':>9}")
     for label, (prefill_s, total_s, _) in results.items():
         ran = total if label == old_label else own
         for clock, i in (("wall", 0), ("cpu", 1)):
             print(f"{label:<16} {clock:>4} {prefill_s[i]:>9.1f} {total / prefill_s[i]:>12.0f} "
-                  f"{prefill_flop(model, ran) / prefill_s[i] / matmul_rate:>13.2f} {total_s[i]:>8.1f} "
-                  f"{total_s[i] / len(prompts):>9.2f}")
+                  f"{prefill_flop(model, ran) / prefill_s[i] / matmul_rate:>13.2f} "
+                  f"{total_s[i]:>8.1f} {total_s[i] / len(prompts):>9.2f}")
     for label, base_label in [(new_label, old_label)]:
-        (new, old), per_token = (results[label], results[base_label]), generated[label] / generated[base_label]
-        print(f"{label} / {base_label}: " + ", ".join(  # seeded paths part after a while: per generated token too
-            f"{clock} prefill {new[0][i] / old[0][i]:.2f}, total {new[1][i] / old[1][i]:.2f} (per generated token "
-            f"{new[1][i] / old[1][i] / per_token:.2f})" for clock, i in (("wall", 0), ("cpu", 1))))
-    print("x matmul rate: the prefill's matrix products on the tokens each path runs, per second, over the rate of "
-          "one large matmul; cpu: this process's CPU seconds (with one thread, what a shared machine's wall clock "
-          "inflates least)")
+        (new, old), per_token = ((results[label], results[base_label]),
+                                 generated[label] / generated[base_label])
+        # seeded paths part after a while: per generated token too
+        print(f"{label} / {base_label}: " + ", ".join(
+            f"{clock} prefill {new[0][i] / old[0][i]:.2f}, total {new[1][i] / old[1][i]:.2f} (per "
+            f"generated token {new[1][i] / old[1][i] / per_token:.2f})"
+            for clock, i in (("wall", 0), ("cpu", 1))))
+    print("x matmul rate: the prefill's matrix products on the tokens each path runs, per second, "
+          "over the rate of one large matmul; cpu: this process's CPU seconds (with one thread, "
+          "what a shared machine's wall clock inflates least)")
 
 
 def _timed(fn, *args, **kwargs):
@@ -258,31 +287,38 @@ def _timed(fn, *args, **kwargs):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Benchmark the hf and kv sampling backends side by side, or (with "
-                                                 "--verifier-prompts) the kv sampler against its old self on the "
-                                                 "verifier's prompts.")
+    parser = argparse.ArgumentParser(description="Benchmark the hf and kv sampling backends side "
+                                                 "by side, or (with --verifier-prompts) the kv "
+                                                 "sampler against its old self on the verifier's "
+                                                 "prompts.")
     parser.add_argument("--model-config", default="embedded",
-                        help="an offline model: 'embedded' (default), 'coder-1.5b'; 'qwen2.5-1.5b' (random weights) or a config.json path")
+                        help="an offline model: 'embedded' (default), 'coder-1.5b'; 'qwen2.5-1.5b' "
+                             "(random weights) or a config.json path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--n", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"],
-                        help="model dtypes to run (default: float32, and bfloat16 where the device runs it natively; "
-                             "bfloat16 adds the dtype=bf16 row on float32 weights; --verifier-prompts takes the first)")
+                        help="model dtypes to run (default: float32, and bfloat16 where the device "
+                             "runs it natively; bfloat16 adds the dtype=bf16 row on float32 "
+                             "weights; --verifier-prompts takes the first)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--compile", action="store_true", help="add rows with the kv decode step under torch.compile")
+    parser.add_argument("--compile", action="store_true",
+                        help="add rows with the kv decode step under torch.compile")
     parser.add_argument("--verifier-prompts", action="store_true",
                         help="old (--baseline) against new sampler on one step's verifier prompts")
     parser.add_argument("--problems", type=int, default=8, help="--verifier-prompts: demo problems")
-    parser.add_argument("--rollouts", type=int, default=4, help="--verifier-prompts: written rollouts per problem")
-    parser.add_argument("--baseline", default=BASELINE_REV, help="--verifier-prompts: git revision of the old path")
+    parser.add_argument("--rollouts", type=int, default=4,
+                        help="--verifier-prompts: written rollouts per problem")
+    parser.add_argument("--baseline", default=BASELINE_REV,
+                        help="--verifier-prompts: git revision of the old path")
     args = parser.parse_args()
     native = bf16_supported(torch.device(args.device))
-    if args.dtypes is None and not native:  # an AVX2 CPU multiplies bfloat16 some 400x slower than float32
-        print(f"bfloat16 left out: {args.device} has no native bfloat16 (pass --dtypes bfloat16 to time it anyway)")
+    if args.dtypes is None and not native:  # an AVX2 CPU multiplies bfloat16 some 400x slower
+        print(f"bfloat16 left out: {args.device} has no native bfloat16 (pass --dtypes bfloat16 to "
+              f"time it anyway)")
     dtypes = [getattr(torch, name) for name in args.dtypes or ["float32"] + ["bfloat16"] * native]
     if args.verifier_prompts:
-        bench_verifier(args.model_config, args.device, dtypes[0], args.max_new_tokens, args.problems, args.rollouts,
-                       args.baseline)
+        bench_verifier(args.model_config, args.device, dtypes[0], args.max_new_tokens,
+                       args.problems, args.rollouts, args.baseline)
     else:
         bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile, dtypes)
 

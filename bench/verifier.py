@@ -1,14 +1,17 @@
-"""Measurement of verifier.py: recall and false-verify rate of the offline verifiers on the same rollouts.
+"""Measurement of verifier.py: recall and false-verify rate of the offline verifiers on the same
+rollouts.
 
 --measure verifies a correct and a wrong short solution to each of 60 MATH-500 problems (levels 1-5;
-`--bench knk`: puzzles, wrong = one person flipped) with each verifier model (default: coder-0.5b, the cpu
-policy verifying itself, and coder-1.5b, the paper's verifier model), prints recall, false-verify rate,
-precision, statuses and costs, and logs every completion; --rescore LOG scores a log's completions again
-without sampling; --demo shows one verification step by step. --steps RUN verifies each training step's saved
-rollouts of a run twice with its verifier, every rollout (as --verify-budget says) and lazily (--lazy-verify:
-only what can change the vote), and prints seconds, prompts, tokens and whether the labels agree.
+`--bench knk`: puzzles, wrong = one person flipped) with each verifier model (default: coder-0.5b,
+the cpu policy verifying itself, and coder-1.5b, the paper's verifier model), prints recall,
+false-verify rate, precision, statuses and costs, and logs every completion; --rescore LOG scores a
+log's completions again without sampling; --demo shows one verification step by step. --steps RUN
+verifies each training step's saved rollouts of a run twice with its verifier, every rollout (as
+--verify-budget says) and lazily (--lazy-verify: only what can change the vote), and prints seconds,
+prompts, tokens and whether the labels agree.
 
-    python -m bench.verifier --measure [--bench knk] [--problems 60] [--verifiers coder-0.5b coder-1.5b]
+    python -m bench.verifier --measure [--bench knk] [--problems 60]
+                             [--verifiers coder-0.5b coder-1.5b]
     python -m bench.verifier --demo
     python -m bench.verifier --steps runs/RUN
 """
@@ -21,11 +24,11 @@ from fractions import Fraction
 
 import torch
 
-import knk
+from machinery import knk
 from answers import _fraction_str, answer_key, extract_answer, same_answer
-from model import load_model
-from benchmarks import load_bench
-from domains import MATH, domain_of
+from machinery.model import load_model
+from machinery.benchmarks import load_bench
+from machinery.domains import MATH, domain_of
 from verifier import STATUSES_VERIFY, VerifierPrompt, VerifierReply, model_verifier, verify_batch
 from voting import weighted_vote
 
@@ -33,22 +36,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SOLUTION = ("Working through the problem step by step, the computation gives {answer}.\n\n"
             "The final answer is $\\boxed{{{answer}}}$.")
 DATA_DIR = os.environ.get("T3RL_DATA_DIR", os.path.join(REPO, "..", "shared", "data"))
-MEASURED = ("coder-0.5b", "coder-1.5b")  # self-verification of the cpu policy, and the paper's verifier model
+# self-verification of the cpu policy, and the paper's verifier model
+MEASURED = ("coder-0.5b", "coder-1.5b")
 
 
 def math500_by_level(count, path=os.path.join(DATA_DIR, "math500.jsonl")):
-    """`count` MATH-500 problems spread evenly over levels 1-5 (the first ones of each level in file order)."""
+    """`count` MATH-500 problems spread evenly over levels 1-5 (the first ones of each level in file
+    order)."""
     if not os.path.isfile(path):
-        raise SystemExit(f"{path}: not found; set T3RL_DATA_DIR to the folder holding math500.jsonl")
+        raise SystemExit(f"{path}: not found; set T3RL_DATA_DIR to the folder holding "
+                         f"math500.jsonl")
     with open(path) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     per_level = -(-count // 5)
-    return [r for level in range(1, 6) for r in [r for r in rows if int(r["level"]) == level][:per_level]]
+    return [r for level in range(1, 6)
+            for r in [r for r in rows if int(r["level"]) == level][:per_level]]
 
 
 def wrong_answer(problem, gold):
-    """A plausible wrong answer: gold + 1 when gold is a number; else gold with its last digit changed
-    (\\frac{\\sqrt{3}}{2} -> \\frac{\\sqrt{3}}{3}, same form); else the first number in the problem that is not gold."""
+    """A plausible wrong answer: gold + 1 when gold is a number; else gold with its last digit
+    changed (\\frac{\\sqrt{3}}{2} -> \\frac{\\sqrt{3}}{3}, same form); else the first number in the
+    problem that is not gold."""
     try:
         return _fraction_str(Fraction(answer_key(gold)) + 1)
     except (ValueError, ZeroDivisionError):
@@ -63,25 +71,31 @@ def wrong_answer(problem, gold):
 
 
 def offline_verifier(name, max_new_tokens, seed):
-    """A model_verifier around a --model value, loaded in bfloat16 (as the loop loads its verifier)."""
+    """A model_verifier around a --model value, loaded in bfloat16 (as the loop loads its
+    verifier)."""
     model, tokenizer = load_model(name, dtype=torch.bfloat16)
-    return model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=max_new_tokens, seed=seed)
+    return model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=max_new_tokens,
+                          seed=seed)
 
 
 def verifier_scores(results, kinds):
-    """Recall (verified share of correct answers), false-verify rate (of wrong ones), precision (right share
-    of the verified) and the status counts per kind of answer."""
-    verified = {kind: sum(r.v for r, k in zip(results, kinds) if k == kind) for kind in ("correct", "wrong")}
+    """Recall (verified share of correct answers), false-verify rate (of wrong ones), precision
+    (right share of the verified) and the status counts per kind of answer."""
+    verified = {kind: sum(r.v for r, k in zip(results, kinds) if k == kind)
+                for kind in ("correct", "wrong")}
     total = {kind: kinds.count(kind) for kind in ("correct", "wrong")}
-    status = {kind: {s: sum(r.status == s for r, k in zip(results, kinds) if k == kind) for s in STATUSES_VERIFY}
+    status = {kind: {s: sum(r.status == s for r, k in zip(results, kinds) if k == kind)
+                     for s in STATUSES_VERIFY}
               for kind in ("correct", "wrong")}
     both = verified["correct"] + verified["wrong"]
-    return dict(recall=verified["correct"] / total["correct"], false_verify=verified["wrong"] / total["wrong"],
+    return dict(recall=verified["correct"] / total["correct"],
+                false_verify=verified["wrong"] / total["wrong"],
                 precision=verified["correct"] / both if both else None, status=status)
 
 
 def knk_puzzles(count, path=knk.KNK_PATH):
-    """The first `count` puzzles of data/knk.jsonl, each with a wrong answer: one person (the k-th, cycling) flipped."""
+    """The first `count` puzzles of data/knk.jsonl, each with a wrong answer: one person (the k-th,
+    cycling) flipped."""
     with open(path, encoding="utf-8") as f:
         rows = [json.loads(line) for line in f if line.strip()][:count]
     for k, r in enumerate(rows):
@@ -92,38 +106,44 @@ def knk_puzzles(count, path=knk.KNK_PATH):
 
 
 def measure_rollouts(count, bench="math500"):
-    """A correct and a wrong short solution per problem: (problems, rollouts, answers, kinds, levels)."""
+    """A correct and a wrong short solution per problem: (problems, rollouts, answers, kinds,
+    levels)."""
     columns = ([], [], [], [], [])
     for r in knk_puzzles(count) if bench == "knk" else math500_by_level(count):
         wrong = r["wrong"] if bench == "knk" else wrong_answer(r["problem"], r["answer"])
         for kind, answer in (("correct", r["answer"]), ("wrong", wrong)):
-            for column, value in zip(columns, (r["problem"], SOLUTION.format(answer=answer), answer, kind,
-                                               int(r["level"]))):
+            for column, value in zip(columns, (r["problem"], SOLUTION.format(answer=answer), answer,
+                                               kind, int(r["level"]))):
                 column.append(value)
     return columns
 
 
 def logged_verifier(log_path, name):
-    """A verifier that replays verifier `name`'s completions from a --measure log, in their order, so new
-    program handling can be scored on the same generations without sampling again."""
+    """A verifier that replays verifier `name`'s completions from a --measure log, in their order,
+    so new program handling can be scored on the same generations without sampling again."""
     with open(log_path) as f:
         rows = [row for row in map(json.loads, f) if row["verifier"] == name]
     if not rows:
         raise SystemExit(f"--rescore {log_path}: no completions of verifier {name} in it")
-    replay = lambda prompts: [VerifierReply(row["completion"], row["tokens"]) for row in rows]  # noqa: E731
+    replay = lambda prompts: [VerifierReply(row["completion"], row["tokens"])  # noqa: E731
+                              for row in rows]
     return replay, sum(row.get("seconds", 0.0) for row in rows) / len(rows)
 
 
-def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500", log_path="runs/verifier-measure.jsonl",
-            rescore=None):
-    """Verify a correct and a wrong short solution per problem with each verifier in `names`, on the same
-    rollouts; print recall, false-verify rate, precision, status counts and costs, and log every program.
-    bench: math500 (levels 1-5, Python programs) or knk (puzzles, SMT-LIB2 scripts for z3). rescore: a log
-    of an earlier run, whose completions are scored again instead of sampling new ones."""
+def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500",
+            log_path="runs/verifier-measure.jsonl", rescore=None):
+    """Verify a correct and a wrong short solution per problem with each verifier in `names`, on the
+    same rollouts; print recall, false-verify rate, precision, status counts and costs, and log
+    every program. bench: math500 (levels 1-5, Python programs) or knk (puzzles, SMT-LIB2 scripts
+    for z3). rescore: a log of an earlier run, whose completions are scored again instead of
+    sampling new ones."""
     problems, rollouts, answers, kinds, levels = measure_rollouts(count, bench)
-    what = "knk puzzles (wrong: one person flipped)" if bench == "knk" else "MATH-500 problems of levels 1-5"
-    print(f"{len(rollouts)} rollouts: {len(rollouts) // 2} {what}, a correct and a wrong answer each; " +
-          (f"completions replayed from {rescore}" if rescore else f"up to {max_new_tokens} verifier tokens, seed {seed}"))
+    what = ("knk puzzles (wrong: one person flipped)" if bench == "knk"
+            else "MATH-500 problems of levels 1-5")
+    print(f"{len(rollouts)} rollouts: {len(rollouts) // 2} {what}, a correct and a wrong answer "
+          f"each; " +
+          (f"completions replayed from {rescore}" if rescore
+           else f"up to {max_new_tokens} verifier tokens, seed {seed}"))
     rows = []
     os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
     for name in names:
@@ -133,32 +153,40 @@ def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500", log
         results = verify_batch(problems, rollouts, answers, verifier, domain_of(bench))
         wall = time.perf_counter() - start
         del verifier
-        by_level = {level: sum(r.v for r, k, lv in zip(results, kinds, levels) if k == "correct" and lv == level) /
-                    sum(k == "correct" and lv == level for k, lv in zip(kinds, levels)) for level in sorted(set(levels))}
-        rows.append((name, verifier_scores(results, kinds), by_level, sum(r.tokens for r in results) / len(results),
+        by_level = {level: sum(r.v for r, k, lv in zip(results, kinds, levels)
+                               if k == "correct" and lv == level) /
+                    sum(k == "correct" and lv == level for k, lv in zip(kinds, levels))
+                    for level in sorted(set(levels))}
+        rows.append((name, verifier_scores(results, kinds), by_level,
+                     sum(r.tokens for r in results) / len(results),
                      seconds if rescore else wall / len(results)))
         with open(log_path, "a") as f:
             for i, r in enumerate(results):
-                f.write(json.dumps(dict(verifier=name, kind=kinds[i], level=levels[i], problem=problems[i],
-                                        answer=answers[i], status=r.status, result=r.result, tokens=r.tokens,
-                                        seconds=rows[-1][4], completion=r.completion, output=r.output[-2000:])) + "\n")
+                f.write(json.dumps(dict(verifier=name, kind=kinds[i], level=levels[i],
+                                        problem=problems[i], answer=answers[i], status=r.status,
+                                        result=r.result, tokens=r.tokens, seconds=rows[-1][4],
+                                        completion=r.completion, output=r.output[-2000:])) + "\n")
         print(f"{name}: {wall:.0f} s for {len(results)} rollouts", flush=True)
     print_measure(rows)
     print(f"\nevery completion, program output and status: {log_path}")
 
 
 def print_measure(rows):
-    """The --measure tables: status counts per verifier and kind of answer, then scores and costs."""
+    """The --measure tables: status counts per verifier and kind of answer, then scores and
+    costs."""
     shown = [s for s in STATUSES_VERIFY if s != "no_answer"]
     print(f"\n{'verifier':<16}{'answers':<9}" + "".join(f"{s:>11}" for s in shown))
     for name, scores, *_ in rows:
         for kind in ("correct", "wrong"):
-            print(f"{name:<16}{kind:<9}" + "".join(f"{scores['status'][kind][s]:>11}" for s in shown))
-    print(f"\n{'verifier':<16}{'recall':>8}{'false-verify':>14}{'precision':>11}{'tokens/rollout':>16}{'s/rollout':>11}"
+            print(f"{name:<16}{kind:<9}"
+                  + "".join(f"{scores['status'][kind][s]:>11}" for s in shown))
+    print(f"\n{'verifier':<16}{'recall':>8}{'false-verify':>14}{'precision':>11}"
+          f"{'tokens/rollout':>16}{'s/rollout':>11}"
           f"   recall by level " + "-".join(map(str, rows[0][2])))
     for name, scores, by_level, tokens, seconds in rows:
         precision = "-" if scores["precision"] is None else f"{scores['precision']:.0%}"
-        print(f"{name:<16}{scores['recall']:>8.0%}{scores['false_verify']:>14.0%}{precision:>11}{tokens:>16.0f}"
+        print(f"{name:<16}{scores['recall']:>8.0%}{scores['false_verify']:>14.0%}{precision:>11}"
+              f"{tokens:>16.0f}"
               f"{seconds:>11.1f}   " + " ".join(f"{x:.0%}" for x in by_level.values()))
 
 
@@ -168,16 +196,18 @@ def demo(name, max_new_tokens, seed):
     rollout = SOLUTION.format(answer=record["answer"])
     result = verify_batch([record["problem"]], [rollout], [extract_answer(rollout)],
                           offline_verifier(name, max_new_tokens, seed), MATH)[0]
-    for title, text in (("problem", record["problem"]), ("rollout", rollout), ("program", result.code or
-                        result.completion), ("sandbox output", result.output)):
+    for title, text in (("problem", record["problem"]), ("rollout", rollout),
+                        ("program", result.code or result.completion),
+                        ("sandbox output", result.output)):
         print(f"--- {title}\n{(text or '').strip()}\n")
     print(f"--- verdict\nv = {result.v} ({result.status}): tool result {result.result!r}, answer "
           f"{extract_answer(rollout)!r}; {result.tokens} verifier tokens in {result.seconds:.1f} s")
 
 
 def replay_steps(run_dir, seed):
-    """--steps: per step of the run, its rollouts verified by its verifier model (as its config says) with and
-    without laziness, alternating, so the two share whatever else the machine does."""
+    """--steps: per step of the run, its rollouts verified by its verifier model (as its config
+    says) with and without laziness, alternating, so the two share whatever else the machine
+    does."""
     cfg = json.load(open(os.path.join(run_dir, "config.json")))
     records = {rec["id"]: rec for rec in load_bench(cfg["bench"])}
     domain = domain_of(cfg["bench"])
@@ -187,16 +217,20 @@ def replay_steps(run_dir, seed):
         steps.setdefault(row["step"], []).append(row)
     name = cfg["model"] if cfg["verifier_model"] == "self" else cfg["verifier_model"]
     model, tokenizer = load_model(name, dtype=torch.bfloat16)
-    # greedy, so that both ways write the same program for a rollout they both verify (up to bfloat16 rounding,
-    # which depends on the batch) and differ only in which rollouts they verify
-    verify = model_verifier(model.requires_grad_(False), tokenizer, max_new_tokens=cfg["verifier_max_new_tokens"],
-                            temperature=0.0, seed=seed)
-    verify([VerifierPrompt("", "What is 1 + 1?")])  # the weights are packed once, on the first call: not timed
-    print(f"{run_dir}: verifier {name} (greedy), omega {cfg['omega']}, budget {cfg['verify_budget']}, "
+    # greedy, so that both ways write the same program for a rollout they both verify (up to
+    # bfloat16 rounding, which depends on the batch) and differ only in which rollouts they verify
+    verify = model_verifier(model.requires_grad_(False), tokenizer,
+                            max_new_tokens=cfg["verifier_max_new_tokens"], temperature=0.0,
+                            seed=seed)
+    # the weights are packed once, on the first call: not timed
+    verify([VerifierPrompt("", "What is 1 + 1?")])
+    print(f"{run_dir}: verifier {name} (greedy), omega {cfg['omega']}, "
+          f"budget {cfg['verify_budget']}, "
           f"{cfg['verifier_max_new_tokens']} tokens; sample s is the run's own")
-    print(f"{'step':>4} {'sample s':>9} {'all s':>7} {'lazy s':>7} {'lazy/all':>8} {'prompts':>9} {'calls':>5} "
-          f"{'tokens':>11} {'labels':>6} on the same programs")
-    metrics = {row["step"]: row for row in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
+    print(f"{'step':>4} {'sample s':>9} {'all s':>7} {'lazy s':>7} {'lazy/all':>8} {'prompts':>9} "
+          f"{'calls':>5} {'tokens':>11} {'labels':>6} on the same programs")
+    metrics = {row["step"]: row
+               for row in map(json.loads, open(os.path.join(run_dir, "metrics.jsonl")))
                if row.get("kind") == "train"}
     totals = [0.0, 0.0]
     for step, rows in sorted(steps.items()):
@@ -205,21 +239,28 @@ def replay_steps(run_dir, seed):
         written = {}  # prompt -> the program the first (every-class) pass wrote for it
         full_s, full_calls, full_t, full_labels = timed_pass(*group, None, verify, written)
         lazy_s, lazy_calls, lazy_t, lazy_labels = timed_pass(*group, cfg["omega"], verify)
-        # laziness on the very programs of the first pass must elect the same labels: its exactness, checked here
-        # apart from the verifier's own variation between two calls (bfloat16 rounding depends on the batch)
-        replayed = timed_pass(*group, cfg["omega"], lambda prompts: [written[p] for p in prompts])[3]
+        # laziness on the very programs of the first pass must elect the same labels: its exactness,
+        # checked here apart from the verifier's own variation between two calls (bfloat16 rounding
+        # depends on the batch)
+        replayed = timed_pass(*group, cfg["omega"],
+                              lambda prompts: [written[p] for p in prompts])[3]
         totals[0] += full_s
         totals[1] += lazy_s
         sample = metrics.get(step, {}).get("seconds/sample")
-        print(f"{step:>4} {sample or 0:>9.1f} {full_s:>7.1f} {lazy_s:>7.1f} {lazy_s / full_s:>8.2f} "
-              f"{sum(full_calls):>4}/{sum(lazy_calls):<4} {len(lazy_calls):>5} {full_t:>5}/{lazy_t:<5} "
-              f"{'same' if full_labels == lazy_labels else 'differ':>6} {'same' if full_labels == replayed else 'DIFFER'}")
-    print(f"all steps: every rollout {totals[0]:.1f} s, lazily {totals[1]:.1f} s, ratio {totals[1] / totals[0]:.2f}")
+        print(f"{step:>4} {sample or 0:>9.1f} {full_s:>7.1f} {lazy_s:>7.1f} "
+              f"{lazy_s / full_s:>8.2f} "
+              f"{sum(full_calls):>4}/{sum(lazy_calls):<4} {len(lazy_calls):>5} "
+              f"{full_t:>5}/{lazy_t:<5} "
+              f"{'same' if full_labels == lazy_labels else 'differ':>6} "
+              f"{'same' if full_labels == replayed else 'DIFFER'}")
+    print(f"all steps: every rollout {totals[0]:.1f} s, lazily {totals[1]:.1f} s, "
+          f"ratio {totals[1] / totals[0]:.2f}")
 
 
 def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written=None):
-    """One verification of a step's rollouts (lazily at omega, or every one with None): seconds, the prompts of
-    each verifier call, verifier tokens and the step's labels. written: gets each prompt's completion."""
+    """One verification of a step's rollouts (lazily at omega, or every one with None): seconds, the
+    prompts of each verifier call, verifier tokens and the step's labels. written: gets each
+    prompt's completion."""
     calls = []
 
     def counting(prompts):
@@ -229,33 +270,46 @@ def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written
             written.update(zip(prompts, completions))
         return completions
     start = time.perf_counter()
-    results = verify_batch(problems, texts, answers, counting, domain, budget=cfg["verify_budget"], omega=omega)
+    results = verify_batch(problems, texts, answers, counting, domain, budget=cfg["verify_budget"],
+                           omega=omega)
     n = cfg["n_votes"]
-    labels = [weighted_vote(answers[i:i + n], [r.v for r in results[i:i + n]], cfg["omega"], **domain.classes).label
+    labels = [weighted_vote(answers[i:i + n], [r.v for r in results[i:i + n]], cfg["omega"],
+                            **domain.classes).label
               for i in range(0, len(answers), n)]
     return time.perf_counter() - start, calls, sum(r.tokens or 0 for r in results), labels
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # the docstring's first paragraph, on one line
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--measure", action="store_true",
-                        help="verify correct and wrong answers to MATH-500 problems with each --verifiers model")
-    parser.add_argument("--demo", action="store_true", help="verify one rollout with the first --verifiers model")
-    parser.add_argument("--steps", metavar="RUN", help="verify a training run's saved rollouts step by step, every "
-                        "rollout and lazily (--lazy-verify), with the run's verifier; print the seconds of both")
+                        help="verify correct and wrong answers to MATH-500 problems with each "
+                        "--verifiers model")
+    parser.add_argument("--demo", action="store_true",
+                        help="verify one rollout with the first --verifiers model")
+    parser.add_argument("--steps", metavar="RUN",
+                        help="verify a training run's saved rollouts step by step, every "
+                        "rollout and lazily (--lazy-verify), with the run's verifier; print the "
+                        "seconds of both")
     parser.add_argument("--verifiers", nargs="+", default=list(MEASURED),
                         help=f"verifier models, any --model value (default: {' '.join(MEASURED)})")
-    parser.add_argument("--problems", type=int, default=60, help="--measure: number of problems, spread over levels 1-5")
+    parser.add_argument("--problems", type=int, default=60,
+                        help="--measure: number of problems, spread over levels 1-5")
     parser.add_argument("--bench", choices=["math500", "knk"], default="math500",
-                        help="--measure: MATH-500 (Python programs) or knk puzzles (SMT-LIB2 scripts for z3)")
-    parser.add_argument("--max-new-tokens", type=int, default=512, help="verifier generation limit (default 512)")
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the verifier (default 0)")
-    parser.add_argument("--rescore", metavar="LOG", help="--measure: score the completions logged by an earlier "
+                        help="--measure: MATH-500 (Python programs) or knk puzzles (SMT-LIB2 "
+                        "scripts for z3)")
+    parser.add_argument("--max-new-tokens", type=int, default=512,
+                        help="verifier generation limit (default 512)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed of the verifier (default 0)")
+    parser.add_argument("--rescore", metavar="LOG",
+                        help="--measure: score the completions logged by an earlier "
                         "run again (after a change to program handling) instead of sampling")
     args = parser.parse_args()
     if args.measure:
         measure(args.problems, args.max_new_tokens, args.seed, args.verifiers, bench=args.bench,
-                log_path="runs/verifier-rescore.jsonl" if args.rescore else "runs/verifier-measure.jsonl",
+                log_path=("runs/verifier-rescore.jsonl" if args.rescore
+                          else "runs/verifier-measure.jsonl"),
                 rescore=args.rescore)
     elif args.demo:
         demo(args.verifiers[0], args.max_new_tokens, args.seed)

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import config
-import domains
+from machinery.options import parse_config
+from machinery import domains
 import t3rl
 from helpers import QUESTIONS, fake_answer, make_tiny_model, scripted_verifier, tiny_argv, write_bench
 from sandbox import SandboxPool
@@ -20,7 +21,7 @@ os.environ.setdefault("T3RL_DATA_DIR", str(Path(__file__).resolve().parents[2] /
 
 @pytest.fixture(scope="session")
 def embedded_model():
-    from model import load_model
+    from machinery.model import load_model
     return load_model("embedded")
 
 
@@ -28,7 +29,7 @@ def embedded_model():
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from model import offline_model_dir
+    from machinery.model import offline_model_dir
     return AutoTokenizer.from_pretrained(offline_model_dir("coder-0.5b"))
 
 
@@ -71,6 +72,6 @@ def finished_run(tmp_path_factory, tokenizer):
         mp.setenv("T3RL_DATA_DIR", str(root / "data"))
         mp.setattr(domains, "extract_answer", fake_answer)
         mp.setattr(t3rl, "build_verifier", lambda cfg, device: scripted_verifier if cfg.verify else None)
-        run = t3rl.train(config.parse_config(tiny_argv(root / "tiny", root / "out", max_steps=4, save_every=2)))
+        run = t3rl.train(parse_config(tiny_argv(root / "tiny", root / "out", max_steps=4, save_every=2)))
     assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
     return run

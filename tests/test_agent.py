@@ -8,12 +8,16 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 import config
+from machinery.options import parse_config
 import sampler
+import machinery
 import t3rl
-from domains import domain_of
-from agent import Interpreter, ToolCall
+from machinery.domains import domain_of
+from machinery.agent import Interpreter, ToolCall
 from answers import extract_answer
-from grpo import GRPOSettings, Rollouts, cosine_schedule, grpo_step, make_optimizer, pad_batch, policy_loss
+from grpo import GRPOSettings, Rollouts, grpo_step, policy_loss
+from machinery.optim import cosine_schedule, make_optimizer
+from machinery.batches import pad_batch
 from helpers import (QUESTIONS, final_weights, interrupted_at_update, make_tiny_model, rows, small_vocab_model,
                      tiny_argv, without_timing, write_bench)
 from sampler import generate
@@ -211,12 +215,12 @@ class CountingInterpreter(Interpreter):
 def test_an_interrupted_agent_run_resumes_exactly_and_logs_its_tool_use(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setattr(t3rl, "Interpreter", CountingInterpreter)
+    monkeypatch.setattr(machinery.agent, "Interpreter", CountingInterpreter)
     options = dict(agent=True, agent_max_calls=2, max_new_tokens=24, max_steps=3)
-    straight = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "a", **options)))
+    straight = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "a", **options)))
     with interrupted_at_update(monkeypatch, 3), pytest.raises(SystemExit):
         t3rl.main(tiny_argv(tiny_dir, tmp_path / "b", **options))
-    resumed = t3rl.train(config.parse_config(["--resume", str(tmp_path / "b" / "run")]))
+    resumed = t3rl.train(parse_config(["--resume", str(tmp_path / "b" / "run")]))
 
     assert without_timing(rows(resumed, "metrics.jsonl")) == without_timing(rows(straight, "metrics.jsonl"))
     assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
@@ -234,7 +238,7 @@ def test_an_interrupted_agent_run_resumes_exactly_and_logs_its_tool_use(tiny_dir
 
 
 def test_agent_monitors_count_the_rollouts_whose_answer_a_call_printed(tokenizer, pool):
-    from agent import agent_monitors
+    from machinery.agent import agent_monitors
     right = scripted_text(tokenizer, pool, "```python\nprint(6 * 7)\n```|So \\boxed{42}.")
     other = scripted_text(tokenizer, pool, "```python\nprint(6 * 7)\n```|So \\boxed{41}.")
     stats = agent_monitors([right, other], ["42", "41"])
@@ -246,11 +250,11 @@ def test_agent_monitors_count_the_rollouts_whose_answer_a_call_printed(tokenizer
 def test_the_study_with_agent_votes_on_agent_rollouts_beside_the_plain_ones(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setattr(t3rl, "Interpreter", CountingInterpreter)
+    monkeypatch.setattr(machinery.agent, "Interpreter", CountingInterpreter)
     monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: lambda prompts: ["no code"] * len(prompts))
     argv = tiny_argv(tiny_dir, tmp_path, study=True, agent=True, n_votes=4, n_train=2, max_new_tokens=40,
                       agent_max_calls=2)
-    run_dir = t3rl.run_study(config.parse_config(argv))
+    run_dir = machinery.study.run_study(parse_config(argv))
     [first, *_] = [json.loads(line) for line in (run_dir / "study.jsonl").read_text().splitlines()]
     assert len(first["agent_answers"]) == 4 and all(len(calls) == 2 for calls in first["agent_calls"])
     assert first["agent_text"] != first["text"]  # the plain rollouts have no tool output

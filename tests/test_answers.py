@@ -149,7 +149,7 @@ def test_same_answer_is_symmetric():
 
 def test_last_number_rule_lets_an_unboxed_answer_vote():
     """TTRL's original parser falls back to the last number; the strict rule gives such a rollout no vote."""
-    from domains import domain_of
+    from machinery.domains import domain_of
     from voting import weighted_vote
     texts = ["Each of the 5 seats has 5 choices, so there are 25 ways.", "Hence the answer is $\\boxed{24}$.",
              "Counting the 5 by 5 grid once more, so there are 25 ways."]

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-import benchmarks
-import files
+from machinery import benchmarks
+from machinery import files
 from helpers import ROOT, FakeHub
 
 
@@ -46,7 +46,7 @@ def test_record_without_answer_names_file_and_line(tmp_path, monkeypatch):
 def load_benches_in_a_new_process(env, *names) -> dict:
     """load_bench(name) for each name in a fresh process (huggingface_hub reads HF_* variables at import) with no
     local benchmark files."""
-    script = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r})\nimport benchmarks\nbenchmarks.ROOT = benchmarks.Path(sys.argv[1])\n"
+    script = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r})\nfrom machinery import benchmarks\nbenchmarks.ROOT = benchmarks.Path(sys.argv[1])\n"
               "print(json.dumps({name: benchmarks.load_bench(name) for name in sys.argv[2:]}))\n")
     env = {**{k: v for k, v in os.environ.items() if k not in ("T3RL_DATA_DIR", "HF_HUB_OFFLINE")}, **env}
     done = subprocess.run([sys.executable, "-c", script, env.pop("EMPTY_ROOT"), *names], env=env, capture_output=True,

@@ -1,4 +1,5 @@
 """config.py: options, presets, the command line, and bad inputs answered in one line."""
+import dataclasses
 import json
 import re
 import subprocess
@@ -9,18 +10,21 @@ import pytest
 import torch
 
 import config
+from machinery import options
+from machinery.options import parse_config
+import machinery
 import t3rl
 from helpers import ROOT, copy_run, tiny_argv
 
 
 def test_unknown_option_is_rejected(capsys):
     with pytest.raises(SystemExit):
-        config.parse_config(["--no-such-option", "1"])
+        parse_config(["--no-such-option", "1"])
     assert "unrecognized arguments: --no-such-option" in capsys.readouterr().err
 
 
 def test_cpu_preset_is_picked_without_gpu_and_explicit_options_win():
-    cfg = config.parse_config(["--n-votes", "16"])
+    cfg = parse_config(["--n-votes", "16"])
     assert cfg.preset == "cpu" and cfg.model == "embedded" and cfg.bench == "demo"
     assert cfg.verifier_model == "coder-1.5b"
     assert cfg.n_votes == 16 and cfg.n_train == config.PRESETS["cpu"]["n_train"]
@@ -33,20 +37,20 @@ def test_cpu_preset_verifies_with_the_1_5b_and_self_verification_loads_the_polic
     def load_model(spec, dtype=None):
         seen.append(spec)
         return torch.nn.Linear(2, 2), None
-    monkeypatch.setattr(t3rl, "load_model", load_model)
+    monkeypatch.setattr(machinery.model, "load_model", load_model)
     monkeypatch.setattr(t3rl, "model_verifier", lambda model, tok, **kw: ("verifier", model, kw["max_new_tokens"]))
-    cfg = config.parse_config(argv)
+    cfg = parse_config(argv)
     verifier = t3rl.build_verifier(cfg, torch.device("cpu"))
     assert seen == loaded and verifier[0] == "verifier" and verifier[2] == cfg.verifier_max_new_tokens
 
 
 def test_the_verifier_samples_at_its_own_top_p_not_the_policys(monkeypatch):
     """TTRL's preset samples rollouts at top-p 1.0; the verifier keeps the 0.95 it was measured at."""
-    monkeypatch.setattr(t3rl, "load_model", lambda spec, dtype=None: (torch.nn.Linear(2, 2), None))
+    monkeypatch.setattr(machinery.model, "load_model", lambda spec, dtype=None: (torch.nn.Linear(2, 2), None))
     monkeypatch.setattr(t3rl, "model_verifier", lambda model, tok, **kw: kw)
-    cfg = config.parse_config(["--preset", "ttrl", "--verify", "--verifier-model", "coder-1.5b"])
+    cfg = parse_config(["--preset", "ttrl", "--verify", "--verifier-model", "coder-1.5b"])
     assert cfg.top_p == 1.0 and t3rl.build_verifier(cfg, torch.device("cpu"))["top_p"] == 0.95
-    cfg = config.parse_config(["--verifier-top-p", "0.8"])
+    cfg = parse_config(["--verifier-top-p", "0.8"])
     assert t3rl.build_verifier(cfg, torch.device("cpu"))["top_p"] == 0.8
 
 
@@ -54,20 +58,20 @@ def test_the_verifier_samples_at_its_own_top_p_not_the_policys(monkeypatch):
 def test_a_new_run_fixes_its_sampling_dtype_in_its_config(monkeypatch, native, dtype, tmp_path, capsys):
     """--sample-dtype auto is decided once, when the run starts, and saved: a resume samples in the same dtype
     on any machine, and says so where that machine has no native bfloat16."""
-    monkeypatch.setattr(config, "bf16_supported", lambda device: native)
-    cfg = config.parse_config(["--out-dir", str(tmp_path)])
-    assert cfg.sample_dtype == dtype and config.sample_dtype(cfg) == getattr(torch, dtype)
+    monkeypatch.setattr(options, "bf16_supported", lambda device: native)
+    cfg = parse_config(["--out-dir", str(tmp_path)])
+    assert cfg.sample_dtype == dtype and options.sample_dtype(cfg) == getattr(torch, dtype)
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "config.json").write_text(json.dumps(vars(cfg)))
-    monkeypatch.setattr(config, "bf16_supported", lambda device: not native)  # the run moves to another machine
-    resumed = config.parse_config(["--resume", str(tmp_path / "run")])
+    monkeypatch.setattr(options, "bf16_supported", lambda device: not native)  # the run moves to another machine
+    resumed = parse_config(["--resume", str(tmp_path / "run")])
     assert resumed.sample_dtype == dtype
     warned = "which this machine runs without native support" in capsys.readouterr().err
     assert warned == (dtype == "bfloat16")
 
 
 def test_paper_preset_follows_the_paper():
-    cfg = config.parse_config(["--preset", "paper", "--bench", "aime2024"])
+    cfg = parse_config(["--preset", "paper", "--bench", "aime2024"])
     assert (cfg.n_votes, cfg.n_train, cfg.temperature, cfg.top_p) == (64, 32, 0.6, 0.95)
     assert (cfg.max_new_tokens, cfg.verifier_max_new_tokens, cfg.lr, cfg.kl_coef, cfg.omega) == (2560, 1024, 5e-7, 0.0, 5.0)
     assert (cfg.episodes, cfg.eval_samples) == (80, 16)
@@ -75,13 +79,13 @@ def test_paper_preset_follows_the_paper():
     # where the paper is silent, TTRL's scripts: prompts per step, the schedule, the evaluation, drop_last
     assert (cfg.questions_per_step, cfg.lr_schedule_unit, cfg.drop_last, cfg.answer_rule) == (8, "step", True, "strict")
     assert (cfg.eval_every, cfg.eval_temperature, cfg.eval_top_p) == (2, 0.6, 0.95)
-    assert config.parse_config(["--preset", "paper", "--bench", "amc"]).episodes == 30
-    assert config.parse_config(["--preset", "paper"]).questions_per_step == 32
+    assert parse_config(["--preset", "paper", "--bench", "amc"]).episodes == 30
+    assert parse_config(["--preset", "paper"]).questions_per_step == 32
 
 
 def test_ttrl_preset_is_ttrls_scripts():
     """TTRL's verl/examples/ttrl/Qwen2.5-Math/{math,amc,aime}.sh and verl's defaults (README's preset table)."""
-    cfg = config.parse_config(["--preset", "ttrl", "--bench", "aime2024"])
+    cfg = parse_config(["--preset", "ttrl", "--bench", "aime2024"])
     assert (cfg.model, cfg.verify, cfg.omega, cfg.n_votes, cfg.n_train) == ("Qwen/Qwen2.5-Math-1.5B", False, 1.0, 64, 32)
     assert (cfg.temperature, cfg.top_p, cfg.max_new_tokens) == (1.0, 1.0, 3072)
     assert (cfg.lr, cfg.warmup_ratio, cfg.lr_schedule_unit, cfg.mini_batch_questions) == (5e-7, 0.03, "step", 1)
@@ -90,30 +94,30 @@ def test_ttrl_preset_is_ttrls_scripts():
     assert (cfg.drop_last, cfg.answer_rule, cfg.questions_per_step, cfg.episodes) == (True, "strict", 8, 80)
     # verl's update_policy: a token-mean per micro-batch of 2 rollouts (ppo_micro_batch_size_per_gpu=2)
     assert (cfg.loss_agg, cfg.micro_batch_rollouts) == ("micro-token-mean", 2)
-    paper = config.parse_config(["--preset", "paper"])  # silent: TTRL's scripts
+    paper = parse_config(["--preset", "paper"])  # silent: TTRL's scripts
     assert (paper.loss_agg, paper.micro_batch_rollouts) == ("micro-token-mean", 2)
-    assert config.parse_config(["--preset", "cpu"]).loss_agg == "token-mean"
-    assert [(c.questions_per_step, c.episodes) for c in (config.parse_config(["--preset", "ttrl", "--bench", b])
+    assert parse_config(["--preset", "cpu"]).loss_agg == "token-mean"
+    assert [(c.questions_per_step, c.episodes) for c in (parse_config(["--preset", "ttrl", "--bench", b])
                                                          for b in ("math500", "amc"))] == [(32, 10), (8, 30)]
-    assert config.parse_config(["--preset", "ttrl", "--temperature", "0.6"]).temperature == 0.6  # options win
+    assert parse_config(["--preset", "ttrl", "--temperature", "0.6"]).temperature == 0.6  # options win
 
 
 def test_last_number_rule_is_refused_for_knights_and_knaves():
     with pytest.raises(config.OptionError, match="--answer-rule last-number: reads numbers, for math benchmarks only"):
-        config.parse_config(["--bench", "knk", "--answer-rule", "last-number"])
+        parse_config(["--bench", "knk", "--answer-rule", "last-number"])
 
 
 def test_every_option_is_read_by_the_run():
     """An option nothing reads does nothing (--sandbox-timeout once did): each Config field is read as cfg.<name>
     somewhere in the library, besides the preset that picks the others."""
-    source = "\n".join(path.read_text() for path in ROOT.glob("*.py"))
+    source = "\n".join(path.read_text() for path in [*ROOT.glob("*.py"), *ROOT.glob("machinery/*.py")])
     unread = [name for name in config.Config.__dataclass_fields__
               if name != "preset" and not re.search(rf"\bcfg\.{name}\b(?!\s*=[^=])", source)]
     assert unread == []
 
 
 def test_omega_inf_and_no_verify_parse():
-    cfg = config.parse_config(["--omega", "inf", "--no-verify"])
+    cfg = parse_config(["--omega", "inf", "--no-verify"])
     assert cfg.omega == float("inf") and cfg.verify is False
 
 
@@ -126,11 +130,11 @@ def test_help_lists_every_option_with_its_default():
 
 def test_report_to_names_unknown_and_missing_trackers(monkeypatch):
     with pytest.raises(config.OptionError, match="--report-to tensorbored: choose from"):
-        config.parse_config(["--report-to", "tensorbored"])
-    monkeypatch.setattr(config, "get_available_trackers", lambda: [])
+        parse_config(["--report-to", "tensorbored"])
+    monkeypatch.setattr(options, "get_available_trackers", lambda: [])
     with pytest.raises(config.OptionError, match="--report-to tensorboard: the tensorboard package is not installed; "
                                                "pip install tensorboard"):
-        config.parse_config(["--report-to", "tensorboard,wandb"])
+        parse_config(["--report-to", "tensorboard,wandb"])
 
 
 def snapshot(folder: Path) -> dict:
@@ -246,7 +250,7 @@ def test_bad_input_is_answered_in_one_line_naming_it(name, make_argv, line, fini
         monkeypatch.setenv(key, value)
     loaded = []
     if name not in {n for n, *_ in NEEDS_A_MODEL}:
-        monkeypatch.setattr(t3rl, "load_model", lambda *a, **k: loaded.append(a) or pytest.fail("a model was loaded"))
+        monkeypatch.setattr(machinery.model, "load_model", lambda *a, **k: loaded.append(a) or pytest.fail("a model was loaded"))
     monkeypatch.setattr(t3rl, "build_verifier", lambda *a: pytest.fail("the verifier was loaded"))
     before = snapshot(ctx["run"]) if ctx["run"] else None
     with pytest.raises(SystemExit) as stop:
@@ -261,7 +265,7 @@ def test_bad_input_is_answered_in_one_line_naming_it(name, make_argv, line, fini
 
 def test_the_table_covers_thirty_bad_inputs_and_every_option_has_a_range():
     assert len(BAD_INPUTS + NEEDS_A_MODEL) >= 30
-    for f in config.fields(config.Config):
+    for f in dataclasses.fields(config.Config):
         # free text, checked elsewhere: model names by check_spec, tracker names by check_config
         free_text = f.name in ("model", "verifier_model", "out_dir", "run_name", "resume", "report_to")
         assert f.type in (bool, "bool") or free_text or f.metadata["allowed"] is not None, f"--{f.name} has no range"
@@ -279,15 +283,15 @@ def test_the_engine_asked_for_without_vllm_installed_is_one_line_naming_what_to_
 
 
 def test_the_paper_preset_samples_on_the_engine_only_where_vllm_is_installed(monkeypatch):
-    monkeypatch.setattr(config, "check_spec", lambda *a: None)  # the paper's Hub models need not be here
-    monkeypatch.setattr(config, "vllm_installed", lambda: True)
-    cfg = config.parse_config(["--preset", "paper"])
+    monkeypatch.setattr(options, "check_spec", lambda *a: None)  # the paper's Hub models need not be here
+    monkeypatch.setattr(options, "vllm_installed", lambda: True)
+    cfg = parse_config(["--preset", "paper"])
     assert (cfg.backend, cfg.verifier_backend) == ("vllm", "vllm")
-    monkeypatch.setattr(config, "vllm_installed", lambda: False)
-    cfg = config.parse_config(["--preset", "paper"])
+    monkeypatch.setattr(options, "vllm_installed", lambda: False)
+    cfg = parse_config(["--preset", "paper"])
     assert (cfg.backend, config.verifier_backend(cfg)) == ("kv", "kv")
 
 
 def test_importance_sampling_correction_needs_the_engine():
     with pytest.raises(config.OptionError, match="--vllm-is-correction.*--backend vllm"):
-        config.parse_config(["--preset", "cpu", "--vllm-is-correction"])
+        parse_config(["--preset", "cpu", "--vllm-is-correction"])

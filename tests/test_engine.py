@@ -12,8 +12,12 @@ import pytest
 import torch
 
 import config
+from machinery.options import parse_config
 import t3rl
-from grpo import GRPOSettings, Rollouts, cosine_schedule, grpo_step, make_optimizer, pad_batch, token_logprobs
+from grpo import GRPOSettings, Rollouts, grpo_step
+from machinery.optim import cosine_schedule, make_optimizer
+from machinery.batches import pad_batch
+from machinery.logprobs import token_logprobs
 from helpers import (QUESTIONS, ROOT, interrupted_at_update, make_tiny_model, rows, tiny_argv,
                      write_bench)
 from sampler import generate
@@ -22,7 +26,7 @@ from test_invariants import assert_trained_alike, train_like_one
 pytestmark = pytest.mark.engine
 if os.environ.get("T3RL_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
-import engine  # noqa: E402
+from machinery import engine  # noqa: E402
 
 CHAT = ["Say hi.", "What is 2 + 3? Reply with the number only."]
 OPEN = ["Write one sentence about the sea.", "Name an animal and say why you like it."]  # many likely replies
@@ -45,7 +49,7 @@ def tiny_engine_model(vocab_size: int):
 
 @pytest.fixture(scope="module")
 def policy():
-    from model import load_model
+    from machinery.model import load_model
     return load_model("embedded")
 
 
@@ -106,8 +110,8 @@ def test_agent_rollouts_on_the_engine_run_the_blocks_like_transformers(policy, p
     """The engine stops a row after a fence, and sample_with_tools appends the block's output and samples on: the
     same greedy rollouts as transformers with its stopping criterion, and sampled ones with a log-prob for
     each token the policy sampled (none for the tool's)."""
-    from agent import TOOL_INSTRUCTION, Interpreter
-    from domains import MATH_INSTRUCTION
+    from machinery.agent import TOOL_INSTRUCTION, Interpreter
+    from machinery.domains import MATH_INSTRUCTION
     model, tokenizer = policy
     prompt = t3rl.policy_prompt(tokenizer, "What is $123 \\times 456 + 789$?", MATH_INSTRUCTION + TOOL_INSTRUCTION)
     tools = Interpreter(tokenizer, pool, max_calls=2)
@@ -127,7 +131,7 @@ def test_agent_rollouts_on_the_engine_run_the_blocks_like_transformers(policy, p
 def test_the_engine_follows_each_update_and_only_then_reloads(engine_dir, tokenizer):
     """After a GRPO update the engine's greedy continuation is the updated model's (and not the old one's); a
     call with unchanged weights loads nothing."""
-    from model import load_model
+    from machinery.model import load_model
     model, _ = load_model(str(engine_dir))
     prompts = [[9707, 11, 1879, 0], [785, 4226, 553]]
     greedy = dict(n=1, max_new_tokens=10, temperature=0, backend="vllm", dtype=torch.float32)
@@ -150,7 +154,7 @@ def test_the_engine_follows_each_update_and_only_then_reloads(engine_dir, tokeni
 def test_a_run_on_the_engine_logs_the_logprob_gap_and_corrects_it(engine_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(config.parse_config(tiny_argv(engine_dir, tmp_path / "out", max_steps=2, backend="vllm",
+    run = t3rl.train(parse_config(tiny_argv(engine_dir, tmp_path / "out", max_steps=2, backend="vllm",
                                                    sample_dtype="float32", vllm_is_correction=True,
                                                    mini_batch_questions=1, top_p=1.0)))
     train = [r for r in rows(run, "metrics.jsonl") if r["kind"] == "train"]
@@ -177,11 +181,11 @@ def test_a_resumed_run_samples_from_the_checkpoints_weights(engine_dir, tmp_path
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     options = dict(backend="vllm", sample_dtype="float32", save_every=1, eval_samples=0, lr=0.05, max_steps=2)
-    whole = t3rl.train(config.parse_config(tiny_argv(engine_dir, tmp_path / "whole", **options)))
-    unmoved = t3rl.train(config.parse_config(tiny_argv(engine_dir, tmp_path / "unmoved", **{**options, "lr": 0.0})))
+    whole = t3rl.train(parse_config(tiny_argv(engine_dir, tmp_path / "whole", **options)))
+    unmoved = t3rl.train(parse_config(tiny_argv(engine_dir, tmp_path / "unmoved", **{**options, "lr": 0.0})))
     with interrupted_at_update(monkeypatch, 2), pytest.raises(KeyboardInterrupt):
-        t3rl.train(config.parse_config(tiny_argv(engine_dir, tmp_path / "parts", **options)))
-    resumed = t3rl.train(config.parse_config(["--resume", str(tmp_path / "parts" / "run")]))
+        t3rl.train(parse_config(tiny_argv(engine_dir, tmp_path / "parts", **options)))
+    resumed = t3rl.train(parse_config(["--resume", str(tmp_path / "parts" / "run")]))
     step_two = lambda run: [r["text"] for r in rows(run, "rollouts.jsonl") if r["step"] == 1]  # noqa: E731
     assert step_two(resumed) == step_two(whole)
     assert step_two(unmoved) != step_two(whole)
@@ -192,8 +196,8 @@ STARTED = """import sys
 sys.path.insert(0, {root!r})
 import accelerate
 import torch.distributed as dist
-import domains
-import engine
+from machinery import domains
+from machinery import engine
 import t3rl
 domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
 events = []
@@ -229,7 +233,9 @@ def test_every_process_starts_its_engines_right_after_prepare(engine_dir, tmp_pa
                            "--nproc-per-node=2", str(script), *argv],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    seen = sorted(re.findall(r"process (\d) of (\d): (.*)", done.stdout))
+    # the processes share stdout: another's summary may follow a line without a newline between
+    events = r"(?:engine|prepare|eval|step)(?: (?:engine|prepare|eval|step))*"
+    seen = sorted(re.findall(rf"process (\d) of (\d): ({events})", done.stdout))
     # the verifier's engine as its model is built, the policy's after prepare
     assert seen == [(str(rank), "2", "engine prepare engine eval step eval") for rank in range(2)]
     assert len(rows(tmp_path / "out" / "run", "rollouts.jsonl")) == 4  # one question's N rollouts

@@ -13,10 +13,13 @@ import torch
 from accelerate.state import AcceleratorState
 
 import config
-import engine
+from machinery import options
+from machinery.options import parse_config
+from machinery import engine
 import grpo
-import runs
+from machinery import runs
 import sampler
+import machinery
 import t3rl
 from helpers import QUESTIONS, ROOT, make_tiny_model, rows, tiny_argv, write_bench
 
@@ -30,13 +33,13 @@ def test_bfloat16_where_the_gpu_runs_it_natively_and_float32_where_emulated(monk
     yes; asked without it, t3rl samples and updates in float32 there, and says so."""
     monkeypatch.setattr(torch.cuda, "is_bf16_supported",
                         lambda including_emulation=True: native or including_emulation)
-    monkeypatch.setattr(config, "has_gpu", lambda: True)
+    monkeypatch.setattr(options, "has_gpu", lambda: True)
     cuda = torch.device("cuda")
     cfg = config.Config()  # --sample-dtype auto, --bf16
-    assert grpo.bf16_supported(cuda) is native
-    assert config.sample_dtype(cfg) == (torch.bfloat16 if native else torch.float32)
-    assert t3rl.grpo_settings(cfg, cuda).bf16 is native  # the update's autocast
-    cfg.sample_dtype = str(config.sample_dtype(cfg)).removeprefix("torch.")  # as a new run fixes it
+    assert machinery.update.bf16_supported(cuda) is native
+    assert options.sample_dtype(cfg) == (torch.bfloat16 if native else torch.float32)
+    assert machinery.optim.grpo_settings(cfg, cuda).bf16 is native  # the update's autocast
+    cfg.sample_dtype = str(options.sample_dtype(cfg)).removeprefix("torch.")  # as a new run fixes it
     expected = [] if native else ["this GPU has no native bfloat16: the update runs in float32, "
                                   "sampling in float32"]
     assert runs.precision_notes(cfg, cuda, "no") == expected
@@ -60,13 +63,13 @@ def test_the_precision_is_t3rls_whatever_accelerates_config_asks(tiny_dir, tmp_p
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     built = []
 
-    class Recorded(t3rl.Accelerator):
+    class Recorded(machinery.loop.Accelerator):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             built.append(self)
-    monkeypatch.setattr(t3rl, "Accelerator", Recorded)
+    monkeypatch.setattr(machinery.loop, "Accelerator", Recorded)
     argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=1, eval_samples=0, verify=False)
-    run = t3rl.train(config.parse_config(argv))
+    run = t3rl.train(parse_config(argv))
     assert [r["kind"] for r in rows(run, "metrics.jsonl")] == ["eval", "train", "eval"]
     [accelerator] = built
     assert accelerator.mixed_precision == "no"
@@ -81,7 +84,7 @@ def test_the_sampler_budgets_the_gpus_free_memory_and_pytorchs_unused_cache(monk
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * GIB)
-    assert sampler._default_budget(torch.device("cuda")) == (10 + 30 - 20) * GIB // 2
+    assert machinery.kv_fast._default_budget(torch.device("cuda")) == (10 + 30 - 20) * GIB // 2
 
 
 class FakeLLM:
@@ -144,20 +147,20 @@ def test_the_engines_shares_are_checked_against_the_gpus_memory_before_anything_
     assert engine.check_memory(40 * GIB, trainer, ["policy"])[1]
 
     # train's check, before any model goes to the GPU: both roles on engines, a 40 GiB GPU
-    monkeypatch.setattr(t3rl, "has_gpu", lambda: True)
+    monkeypatch.setattr(machinery.options, "has_gpu", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=40 * GIB))
     policy = types.SimpleNamespace(parameters=lambda: [torch.empty(1).expand(PAPER_POLICY)])
     cfg = config.Config(backend="vllm")  # the verifier's backend follows the policy's
     accelerator = types.SimpleNamespace(device=torch.device("cuda"))
     with pytest.raises(config.OptionError, match="^GPU memory 40.0 GiB: .* does not fit; lower"):
-        t3rl.check_gpu_memory(cfg, policy, accelerator)
+        machinery.loop.check_gpu_memory(cfg, policy, accelerator)
 
 
 def test_a_study_under_a_launcher_is_refused_in_one_line(tiny_dir, tmp_path, monkeypatch):
     """Every process of accelerate launch would sample the whole study on GPU 0 into one folder."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(t3rl, "open_study", lambda cfg: pytest.fail("the study started"))
+    monkeypatch.setattr(machinery.study, "open_study", lambda cfg: pytest.fail("the study started"))
     with pytest.raises(SystemExit) as stop:
         t3rl.main(tiny_argv(tiny_dir, tmp_path / "out", study=True))
     assert stop.value.code == ("error: --study runs in one process (it never trains, nothing is "

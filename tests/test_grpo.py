@@ -8,15 +8,13 @@ import torch
 from grpo import (
     GRPOSettings,
     Rollouts,
-    cosine_schedule,
     group_advantages,
     grpo_step,
-    make_optimizer,
-    micro_batches,
-    pad_batch,
     policy_loss,
-    token_logprobs,
 )
+from machinery.batches import micro_batches, pad_batch
+from machinery.optim import cosine_schedule, make_optimizer
+from machinery.logprobs import token_logprobs
 from helpers import (
     make_tiny_model,
     small_vocab_model,

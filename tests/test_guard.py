@@ -1,5 +1,5 @@
 """guard.py: the hard-coding guard on programs that copy the candidate answer in."""
-from guard import hardcoded
+from machinery.guard import hardcoded
 from helpers import GUARD_PROBLEM
 
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 
 import config
-import domains
+from machinery.options import parse_config
+from machinery import domains
 import t3rl
-from guard import hardcoded
+from machinery.guard import hardcoded
 from helpers import (
     GUARD_PROBLEM,
     QUESTIONS,
@@ -63,14 +64,17 @@ def test_recomputation_is_not_hardcoded(code):
     assert not hardcoded(code, GUARD_PROBLEM, "1320")
 
 
-LIBRARY = sorted(p.stem for p in ROOT.glob("*.py"))
+LIBRARY = sorted([p.stem for p in ROOT.glob("*.py")] + [f"machinery.{p.stem}" for p in ROOT.glob("machinery/*.py")])
 
 
 def library_imports(name: str) -> set[str]:
     """The modules of the repository that module `name` imports, anywhere in its code (functions included)."""
-    tree = ast.parse((ROOT / f"{name}.py").read_text())
-    found = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    found |= {node.module.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+    tree = ast.parse((ROOT / f"{name.replace('.', '/')}.py").read_text())
+    found = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            found |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    found |= {name.split(".")[0] for name in found}  # bench.sampler is bench's
     return found & (set(LIBRARY) | {"bench"})
 
 
@@ -107,7 +111,7 @@ def test_ground_truth_never_reaches_rewards_or_parameters(tiny_dir, tmp_path, mo
     runs = []
     for name in ("real", "garbage"):
         monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / name))
-        runs.append(t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / f"out-{name}", max_steps=2))))
+        runs.append(t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / f"out-{name}", max_steps=2))))
     real, garbage = (rows(r, "rollouts.jsonl") for r in runs)
     assert [r["reward"] for r in real] == [r["reward"] for r in garbage]
     assert 0 < sum(r["reward"] for r in real) < len(real)  # the rewards are not trivial
@@ -122,7 +126,7 @@ def test_ground_truth_never_reaches_rewards_or_parameters(tiny_dir, tmp_path, mo
 def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # the two-call path, the one that could go wrong
+    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)  # the two-call path, the one that could go wrong
     asked = {}
     runs = {}
     for lazy in (False, True):
@@ -132,7 +136,7 @@ def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, t
         monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: counting)
         argv = tiny_argv(tiny_dir, tmp_path / f"lazy-{lazy}", n_votes=6, max_steps=2, verify_budget=0, lazy_verify=lazy,
                           top_p=0.95)  # draws where laziness leaves verdicts to skip
-        runs[lazy] = t3rl.train(config.parse_config(argv))
+        runs[lazy] = t3rl.train(parse_config(argv))
     full, lazy = (rows(runs[k], "rollouts.jsonl") for k in (False, True))
     assert [(r["label"], r["reward"], r["kept"]) for r in full] == [(r["label"], r["reward"], r["kept"]) for r in lazy]
     assert 0 < sum(r["reward"] for r in full) < len(full)
@@ -144,14 +148,14 @@ def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, t
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    straight = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "a", max_steps=3)))
+    straight = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "a", max_steps=3)))
 
     with interrupted_at_update(monkeypatch, 3), pytest.raises(SystemExit) as stop:
         t3rl.main(tiny_argv(tiny_dir, tmp_path / "b", max_steps=3))  # Ctrl-C: one line with the command that continues the run
     run = tmp_path / "b" / "run"
     assert stop.value.code == (f"interrupted: {run} holds every step up to its last checkpoint; continue with: "
                                f"python t3rl.py --resume {run}")
-    resumed = t3rl.train(config.parse_config(["--resume", str(tmp_path / "b" / "run")]))
+    resumed = t3rl.train(parse_config(["--resume", str(tmp_path / "b" / "run")]))
 
     assert without_timing(rows(resumed, "metrics.jsonl")) == without_timing(rows(straight, "metrics.jsonl"))
     assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
@@ -172,12 +176,12 @@ def test_a_resumed_run_writes_the_programs_an_uninterrupted_one_writes(tiny_dir,
         return lambda prompts: [replies.append((p.user, r.text)) or r for p, r in zip(prompts, verify(prompts))]
     monkeypatch.setattr(t3rl, "model_verifier", recording_verifier)
     argv = dict(max_steps=3, verify_budget=0, lazy_verify=False, top_p=0.95)
-    straight = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "a", **argv)))
+    straight = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "a", **argv)))
     written, replies[:] = set(replies), []
     with interrupted_at_update(monkeypatch, 3), pytest.raises(SystemExit):
         t3rl.main(tiny_argv(tiny_dir, tmp_path / "b", **argv))
     replies[:] = []
-    resumed = t3rl.train(config.parse_config(["--resume", str(tmp_path / "b" / "run")]))
+    resumed = t3rl.train(parse_config(["--resume", str(tmp_path / "b" / "run")]))
     assert len({text for _, text in written}) > 1  # the programs are sampled, not all alike
     assert replies and set(replies) <= written  # the redone step and the final evaluation: the same programs
     assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
@@ -187,7 +191,7 @@ def test_a_resumed_run_writes_the_programs_an_uninterrupted_one_writes(tiny_dir,
 
 SIGTERMED = """import os, signal, sys
 sys.path.insert(0, {root!r})
-import domains
+from machinery import domains
 import t3rl
 domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
 t3rl.build_verifier = lambda cfg, device: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
@@ -221,7 +225,7 @@ def test_sigterm_ends_a_run_as_ctrl_c_does_and_it_resumes(tiny_dir, tmp_path, mo
     assert [r["step"] for r in rows(run, "metrics.jsonl") if r["kind"] == "train"] == [0, 1]
 
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    t3rl.train(config.parse_config(["--resume", str(run)]))  # from the checkpoint at 2: step 3, the final eval
+    t3rl.train(parse_config(["--resume", str(run)]))  # from the checkpoint at 2: step 3, the final eval
     metrics = rows(run, "metrics.jsonl")
     assert [r["step"] for r in metrics if r["kind"] == "train"] == [0, 1, 2] and metrics[-1].get("final")
 
@@ -263,7 +267,7 @@ def test_slurm_script_launches_one_run_over_two_nodes(tiny_dir, tmp_path):
 LAUNCHED = """import sys
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
-import domains
+from machinery import domains
 import t3rl
 domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
 t3rl.build_verifier = lambda cfg, device: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
@@ -292,7 +296,7 @@ def train_like_one(model_dir, tmp_path, monkeypatch, processes, questions, **opt
     write_bench(tmp_path / "data", questions)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     options = dict(sample_dtype="float32", **options)
-    one = t3rl.train(config.parse_config(tiny_argv(model_dir, tmp_path / "one", **options)))
+    one = t3rl.train(parse_config(tiny_argv(model_dir, tmp_path / "one", **options)))
     script = tmp_path / "launched.py"
     script.write_text(LAUNCHED.format(root=str(ROOT)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -7,8 +7,9 @@ import sys
 import pytest
 
 import config
-import domains
-import knk
+from machinery.options import parse_config
+from machinery import domains
+from machinery import knk
 import t3rl
 from helpers import (
     ROOT,
@@ -40,7 +41,7 @@ def flip_one(answer, who=0):
 
 def test_knk_set_regenerates_byte_for_byte(tmp_path):
     out = tmp_path / "knk.jsonl"
-    done = subprocess.run([sys.executable, "knk.py", "--generate", "--out", str(out)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "machinery.knk", "--generate", "--out", str(out)], cwd=ROOT, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == (ROOT / "data" / "knk.jsonl").read_bytes()
@@ -213,7 +214,7 @@ def test_knk_training_step_votes_with_solver_verified_rollouts(tiny_dir, tmp_pat
     monkeypatch.setitem(domains.DOMAINS, "knk", dataclasses.replace(domains.DOMAINS["knk"], extract=scripted_answer))
     monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device: encoding_verifier)
     monkeypatch.delenv("T3RL_DATA_DIR", raising=False)  # data/knk.jsonl, the committed set
-    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path, bench="knk", limit=2, max_steps=1, eval_samples=0)))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path, bench="knk", limit=2, max_steps=1, eval_samples=0)))
     # the policy is asked for the assignment's form (else a small model boxes one word), in training and eval
     assert policy_prompts and all(domains.KNK_INSTRUCTION in p and domains.MATH_INSTRUCTION not in p for p in policy_prompts)
     rollouts = rows(run, "rollouts.jsonl")

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-import model as model_lib
+from machinery import model as model_lib
 from helpers import ROOT, FakeHub, make_tiny_model
 
 
@@ -96,7 +96,7 @@ def test_offline_models_are_known_by_name_and_alias():
 
 def test_coder_1_5b_parts_assemble_into_the_paper_verifier_gguf():
     """The 22 installed parts concatenate into the GGUF the table claims: the 1.5B coder, Q4_K_M, with its chat
-    template (a header read only; converting the 1.5B is left to `python model.py coder-1.5b`)."""
+    template (a header read only; converting the 1.5B is left to `python -m machinery.model coder-1.5b`)."""
     spec = model_lib.offline_model("coder-1.5b")
     with model_lib._locked(model_lib.cache_dir() / f"{spec.cache_name}.lock"):
         path = model_lib.assemble_gguf(spec, model_lib.cache_dir() / f"{spec.cache_name}.gguf")
@@ -116,7 +116,7 @@ def test_bad_model_spec_is_rejected(spec):
 def load_models_in_a_new_process(env, *specs) -> list[dict]:
     """load_model(spec) for each spec in a fresh process (huggingface_hub reads HF_* variables at import):
     {"hidden_size", "vocab"} of the loaded model, or {"error": the ModelLoadError's message}."""
-    script = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r})\nimport model\n"
+    script = (f"import json, sys; sys.path.insert(0, {str(ROOT)!r})\nfrom machinery import model\n"
               "for spec in sys.argv[1:]:\n"
               "    try:\n        m, tok = model.load_model(spec)\n"
               "        print(json.dumps({'hidden_size': m.config.hidden_size, 'vocab': len(tok)}))\n"

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import config
-import runs
+from machinery import options
+from machinery.options import parse_config
+from machinery import runs
 import t3rl
 from helpers import (
     QUESTIONS,
@@ -36,7 +38,7 @@ def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tm
             super().__init__(*args, **kwargs)
             pools.append(self)
     monkeypatch.setattr(t3rl, "SandboxPool", RecordedPool)
-    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, sandbox_timeout=2.5)))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, sandbox_timeout=2.5)))
     assert [pool.timeout for pool in pools] == [2.5]  # --sandbox-timeout reaches the pool
     assert json.loads((run / "config.json").read_text())["n_votes"] == 4
     metrics = rows(run, "metrics.jsonl")
@@ -52,7 +54,7 @@ def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tm
 def train_until_interrupted(monkeypatch, argv, update: int):
     """Run t3rl.train on argv and press Ctrl-C in the middle of its update-th GRPO update."""
     with interrupted_at_update(monkeypatch, update), pytest.raises(KeyboardInterrupt):
-        t3rl.train(config.parse_config(argv))
+        t3rl.train(parse_config(argv))
 
 
 def test_report_to_tensorboard_logs_every_row_and_a_resumed_run_continues_it(tiny_dir, tmp_path, monkeypatch, patched):
@@ -63,7 +65,7 @@ def test_report_to_tensorboard_logs_every_row_and_a_resumed_run_continues_it(tin
                             update=4)
     run = tmp_path / "out" / "run"
     assert max(step for step, _ in tensorboard_scalars(run / "t3rl")["label_accuracy"]) == 3
-    t3rl.train(config.parse_config(["--resume", str(run)]))
+    t3rl.train(parse_config(["--resume", str(run)]))
 
     scalars = tensorboard_scalars(run / "t3rl")
     expected = {}
@@ -81,7 +83,7 @@ def test_report_to_tensorboard_logs_every_row_and_a_resumed_run_continues_it(tin
 
 def resume(run: Path, finished_run: Path, monkeypatch) -> Path:
     monkeypatch.setenv("T3RL_DATA_DIR", str(finished_run.parent.parent / "data"))
-    return t3rl.train(config.parse_config(["--resume", str(run)]))
+    return t3rl.train(parse_config(["--resume", str(run)]))
 
 
 def assert_same_run(run: Path, reference: Path):
@@ -141,7 +143,7 @@ def test_deleted_metrics_do_not_make_the_final_eval_the_before(finished_run, tmp
 
 def test_resume_lists_the_bookkeeping_options_it_may_change(finished_run, tmp_path, capsys):
     run = copy_run(finished_run, tmp_path / "run", final=False)
-    cfg = config.parse_config(["--resume", str(run), "--save-every", "1", "--lr", "0.001"])  # lr as saved: no change
+    cfg = parse_config(["--resume", str(run), "--save-every", "1", "--lr", "0.001"])  # lr as saved: no change
     assert (cfg.save_every, cfg.lr, cfg.n_votes) == (1, 1e-3, 4)
     assert "[t3rl] --resume: --save-every 2 -> 1" in capsys.readouterr().err
 
@@ -153,12 +155,13 @@ import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState
 import config
-import domains
+from machinery.options import parse_config
+from machinery import domains
 import t3rl
 domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
 rank = int(__import__("os").environ["RANK"])
 time.strftime = lambda fmt: f"2026120{{rank}}-101500"  # each process's clock, its own run name
-run = t3rl.train(config.parse_config(sys.argv[1:]))
+run = t3rl.train(parse_config(sys.argv[1:]))
 group = dist.distributed_c10d._get_default_group()
 timeout = group._get_backend(torch.device("cpu")).options._timeout
 print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}}: run {{run}}, timeout "

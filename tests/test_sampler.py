@@ -4,11 +4,13 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
-from grpo import set_checkpointing
+from machinery.logprobs import set_checkpointing
 from helpers import SMALL_PROMPTS, make_tiny_model, small_vocab_model, token_rows
-from sampler import cache_bytes_per_row, generate, nucleus, prefix_plan, sample_next
+from machinery.kv_fast import cache_bytes_per_row, prefix_plan
+from sampler import generate, nucleus, sample_next
 
-PROMPTS = [[9707, 11, 1879, 0, 358, 1079, 264, 1614, 13], [785, 4226], [10061, 594, 1744, 3019, 553, 3019, 13]]
+PROMPTS = [[9707, 11, 1879, 0, 358, 1079, 264, 1614, 13], [785, 4226],
+           [10061, 594, 1744, 3019, 553, 3019, 13]]
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -21,13 +23,15 @@ def test_kv_matches_hf_greedy_on_tiny_model(tokenizer, tied):
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_kv_matches_hf_greedy_on_a_tiny_llama(bias):
-    """Llama: no projection biases (or, with attention_bias, biases on q, k, v and o), unlike Qwen2's q, k, v."""
+    """Llama: no projection biases (or, with attention_bias, biases on q, k, v and o), unlike
+    Qwen2's q, k, v."""
     config = LlamaConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, attention_bias=bias, bos_token_id=0,
-                         eos_token_id=47, pad_token_id=0)
+                         num_attention_heads=4, num_key_value_heads=2, attention_bias=bias,
+                         bos_token_id=0, eos_token_id=47, pad_token_id=0)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # weights of unit-scale outputs and random biases (zeros at init): tokens that vary
+    # weights of unit-scale outputs and random biases (zeros at init): tokens that vary
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.normal_(0, p.shape[1] ** -0.5)
@@ -35,7 +39,8 @@ def test_kv_matches_hf_greedy_on_a_tiny_llama(bias):
                 p.normal_()
     options = dict(n=1, max_new_tokens=12, temperature=0, ignore_eos=True)
     hf = generate(model, None, SMALL_PROMPTS, backend="hf", **options)
-    assert token_rows(generate(model, None, SMALL_PROMPTS, backend="kv", **options)) == token_rows(hf)
+    kv = generate(model, None, SMALL_PROMPTS, backend="kv", **options)
+    assert token_rows(kv) == token_rows(hf)
 
 
 def test_kv_matches_hf_greedy_on_embedded_model(embedded_model):
@@ -55,11 +60,13 @@ def chi_square_p_value(counts, expected):
     expected = torch.cat([expected[big], expected[~big].sum()[None]])
     statistic = ((observed - expected) ** 2 / expected.clamp_min(1e-12)).sum()
     dof = len(observed) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic.double() / 2))
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         statistic.double() / 2))
 
 
 def nucleus_distribution(logits, temperature, top_p):
-    """Reference: softmax(logits / T), sorted in full, keeping tokens while the mass above them is below top_p."""
+    """Reference: softmax(logits / T), sorted in full, keeping tokens while the mass above them is
+    below top_p."""
     probs = torch.softmax(logits.double() / temperature, dim=-1)
     sorted_probs, order = probs.sort(descending=True)
     keep = sorted_probs.cumsum(0) - sorted_probs < top_p
@@ -74,15 +81,18 @@ def test_first_token_frequencies_match_the_models_softmax(temperature, top_p):
     draws = 6000
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1]
-    result = generate(model, None, [prompt], n=draws, max_new_tokens=1, temperature=temperature, top_p=top_p, seed=0)
-    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in result[0]]), minlength=len(logits)).double()
+    result = generate(model, None, [prompt], n=draws, max_new_tokens=1, temperature=temperature,
+                      top_p=top_p, seed=0)
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in result[0]]),
+                            minlength=len(logits)).double()
     expected = nucleus_distribution(logits, temperature, top_p)
     assert counts[expected == 0].sum() == 0, "sampled a token outside the top-p nucleus"
     assert chi_square_p_value(counts, draws * expected) > 1e-3
     # the test has power: top-p cuts real mass here, and the same draws reject a temperature 25% off
     cut = 1 - torch.softmax(logits.double() / temperature, dim=-1)[expected > 0].sum()
     assert cut > 0.02 or top_p == 1.0
-    assert chi_square_p_value(counts, draws * nucleus_distribution(logits, temperature * 1.25, top_p)) < 1e-6
+    off = nucleus_distribution(logits, temperature * 1.25, top_p)
+    assert chi_square_p_value(counts, draws * off) < 1e-6
 
 
 def test_nucleus_keeps_the_same_tokens_as_transformers():
@@ -112,15 +122,18 @@ def test_same_seed_repeats_a_call():
 
 @pytest.mark.parametrize("seed", [7, [7, 8, 9]])
 def test_rows_of_one_prompt_differ(seed):
-    result = generate(small_vocab_model(), None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=seed, ignore_eos=True)
+    result = generate(small_vocab_model(), None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=seed,
+                      ignore_eos=True)
     for group in result:
         assert len({tuple(c.token_ids) for c in group}) == 4
 
 
-# Per-prompt seeds give a prompt the same tokens in any company only where the forward pass gives its rows the
-# same logits in any batch: bfloat16 on CPU does; float32 on MKL does not (see sampler.py), hence dtype below.
+# Per-prompt seeds give a prompt the same tokens in any company only where the forward pass gives
+# its rows the same logits in any batch: bfloat16 on CPU does; float32 on MKL does not (see
+# docs/sampler.md), hence dtype below.
 @pytest.mark.parametrize("backend,options", [("kv", dict(dtype=torch.bfloat16)), ("hf", {})])
-def test_a_prompts_samples_do_not_depend_on_the_prompts_sharing_its_call(tokenizer, backend, options):
+def test_a_prompts_samples_do_not_depend_on_the_prompts_sharing_its_call(tokenizer, backend,
+                                                                         options):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
     longer = PROMPTS[2] + PROMPTS[0]  # shifts the first prompt's left padding
     sample = dict(n=3, max_new_tokens=12, temperature=0.6, top_p=0.95, backend=backend, **options)
@@ -132,19 +145,23 @@ def test_a_prompts_samples_do_not_depend_on_the_prompts_sharing_its_call(tokeniz
 
 def test_samples_do_not_depend_on_waves_or_on_finished_rows_leaving_the_batch():
     model = small_vocab_model()
-    model.generation_config.eos_token_id = [14, 23]  # frequent tokens: rows finish at different steps
+    # frequent tokens: rows finish at different steps
+    model.generation_config.eos_token_id = [14, 23]
     sample = dict(n=4, max_new_tokens=10, seed=[3, 1, 2], dtype=torch.bfloat16)
     whole = generate(model, None, SMALL_PROMPTS, **sample)
     one_row = cache_bytes_per_row(model, max(map(len, SMALL_PROMPTS)) + 10, torch.bfloat16)
     waves = generate(model, None, SMALL_PROMPTS, memory_budget=one_row, **sample)
     assert token_rows(waves) == token_rows(whole)
     lengths = [c.num_tokens for g in whole for c in g]
-    assert min(lengths) < max(lengths) == 10, "no row left the batch early: the test would not cover compaction"
+    assert min(lengths) < max(lengths) == 10, ("no row left the batch early: the test would not "
+                                               "cover compaction")
 
 
-# Shared-prefix prefill runs a prompt's tokens after the start it shares with another prompt, in one forward with
-# the other prompts of its level: greedy tokens must be those of the prompt prefilled alone, in its own call.
-SYSTEM = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872, 198]  # a chat system turn
+# Shared-prefix prefill runs a prompt's tokens after the start it shares with another prompt, in one
+# forward with the other prompts of its level: greedy tokens must be those of the prompt prefilled
+# alone, in its own call.
+SYSTEM = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872,
+          198]  # a chat system turn
 
 
 def greedy_alone_and_together(model, prompts, dtype):
@@ -156,7 +173,8 @@ def greedy_alone_and_together(model, prompts, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prompts_sharing_nothing_prefilled_together_decode_as_alone(tokenizer, dtype):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
-    assert [(step.shared, step.level) for step in prefix_plan(PROMPTS)] == [(0, 0)] * 3  # one forward for all three
+    # one forward for all three
+    assert [(step.shared, step.level) for step in prefix_plan(PROMPTS)] == [(0, 0)] * 3
     alone, together = greedy_alone_and_together(model, PROMPTS, dtype)
     assert together == alone
 
@@ -166,7 +184,8 @@ def test_prompts_sharing_a_prefix_decode_as_alone(tokenizer, dtype):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
     prompts = [SYSTEM + p for p in PROMPTS] + [SYSTEM + PROMPTS[0][:5] + [40, 2]]
     plan = prefix_plan(prompts)
-    # the system turn is prefilled once; the last prompt also shares the first's next 5 tokens (a second level)
+    # the system turn is prefilled once; the last prompt also shares the first's next 5 tokens (a
+    # second level)
     assert sorted(step.shared for step in plan) == [0, len(SYSTEM), len(SYSTEM), len(SYSTEM) + 5]
     assert max(step.level for step in plan) == 2
     alone, together = greedy_alone_and_together(model, prompts, dtype)
@@ -187,36 +206,44 @@ def test_prompts_that_are_prefixes_of_each_other_decode_as_alone(tokenizer, dtyp
 def test_eos_ends_a_row_with_the_eos_token_and_others_run_to_length(tokenizer):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
     free = generate(model, None, PROMPTS, n=2, max_new_tokens=12, temperature=0, ignore_eos=True)
-    stop_token = free[0][0].token_ids[3]  # the first prompt's 4th greedy token becomes the end-of-sequence token
+    # the first prompt's 4th greedy token becomes the end-of-sequence token
+    stop_token = free[0][0].token_ids[3]
     assert all(stop_token not in c.token_ids for g in free[1:] for c in g)
     model.generation_config.eos_token_id = stop_token
     for backend in ("kv", "hf"):
-        result = generate(model, None, PROMPTS, n=2, max_new_tokens=12, temperature=0, backend=backend)
+        result = generate(model, None, PROMPTS, n=2, max_new_tokens=12, temperature=0,
+                          backend=backend)
         first_stop = free[0][0].token_ids.index(stop_token) + 1
         for c in result[0]:
             assert (c.finish_reason, c.num_tokens) == ("eos", first_stop)
             assert c.token_ids == free[0][0].token_ids[:first_stop]
         # the rows still running after the others left the batch decode as before
         assert token_rows(result)[1:] == token_rows(free)[1:], backend
-        assert all(c.finish_reason == "length" and c.num_tokens == 12 for g in result[1:] for c in g)
+        assert all(c.finish_reason == "length" and c.num_tokens == 12
+                   for g in result[1:] for c in g)
 
 
 def test_an_eos_drawn_as_the_last_allowed_token_finishes_by_eos(tokenizer):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
-    free = generate(model, None, PROMPTS[:1], n=1, max_new_tokens=12, temperature=0, ignore_eos=True)
+    free = generate(model, None, PROMPTS[:1], n=1, max_new_tokens=12, temperature=0,
+                    ignore_eos=True)
     stop_token = free[0][0].token_ids[3]
-    last = free[0][0].token_ids.index(stop_token) + 1  # the budget ends on the end-of-sequence token itself
+    # the budget ends on the end-of-sequence token itself
+    last = free[0][0].token_ids.index(stop_token) + 1
     model.generation_config.eos_token_id = stop_token
     for backend in ("kv", "hf"):
-        c = generate(model, None, PROMPTS[:1], n=1, max_new_tokens=last, temperature=0, backend=backend)[0][0]
+        c = generate(model, None, PROMPTS[:1], n=1, max_new_tokens=last, temperature=0,
+                     backend=backend)[0][0]
         assert (c.finish_reason, c.token_ids) == ("eos", free[0][0].token_ids[:last]), backend
 
 
 def test_waves_split_by_memory_budget_give_the_same_tokens(tokenizer):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
     whole = generate(model, tokenizer, PROMPTS, n=3, max_new_tokens=10, temperature=0)
-    one_row_budget = 4 * len(tokenizer) * 4 + 60_000  # logits buffers plus ~1 row of this tiny model's cache
-    waves = generate(model, tokenizer, PROMPTS, n=3, max_new_tokens=10, temperature=0, memory_budget=one_row_budget)
+    # logits buffers plus ~1 row of this tiny model's cache
+    one_row_budget = 4 * len(tokenizer) * 4 + 60_000
+    waves = generate(model, tokenizer, PROMPTS, n=3, max_new_tokens=10, temperature=0,
+                     memory_budget=one_row_budget)
     assert token_rows(waves) == token_rows(whole)
 
 
@@ -246,7 +273,8 @@ def test_generate_leaves_a_training_model_in_train_mode(tokenizer):
 
 
 def test_other_architectures_fall_back_to_hf(tokenizer, capsys):
-    config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2, eos_token_id=63)
+    config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                        eos_token_id=63)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config).eval()
     kv = generate(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend="kv")
@@ -271,16 +299,19 @@ def test_bad_arguments_raise_a_clear_error(tokenizer, kwargs, match):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_benchmarks_matmul_floor_runs_every_product_of_a_decode_step(tiny_model, dtype, monkeypatch):
-    """bench.sampler's `matmuls ms` column: each of a step's products (qkv, o, gate_up, down per layer, then
-    the head) runs on `rows` inputs of its own width, whichever Linear the sampler builds for this dtype."""
+def test_the_benchmarks_matmul_floor_runs_every_product_of_a_decode_step(tiny_model, dtype,
+                                                                         monkeypatch):
+    """bench.sampler's `matmuls ms` column: each of a step's products (qkv, o, gate_up, down per
+    layer, then the head) runs on `rows` inputs of its own width, whichever Linear the sampler
+    builds for this dtype."""
     import bench.sampler
     steps = []
-    monkeypatch.setattr(bench.sampler, "_rate", lambda step, device, seconds: steps.append(step()) or 1.0)
+    monkeypatch.setattr(bench.sampler, "_rate",
+                        lambda step, device, seconds: steps.append(step()) or 1.0)
     assert bench.sampler.matmul_seconds(tiny_model, 3, dtype, torch.device("cpu")) == 1.0
     c = tiny_model.config
     head = c.hidden_size // c.num_attention_heads
-    layer = [(c.num_attention_heads + 2 * c.num_key_value_heads) * head, c.hidden_size, 2 * c.intermediate_size,
-             c.hidden_size]
-    assert [tuple(out.shape) for out in steps[0]] == [(3, width) for width in layer * c.num_hidden_layers + [
-        c.vocab_size]]
+    layer = [(c.num_attention_heads + 2 * c.num_key_value_heads) * head, c.hidden_size,
+             2 * c.intermediate_size, c.hidden_size]
+    assert [tuple(out.shape) for out in steps[0]] == [
+        (3, width) for width in layer * c.num_hidden_layers + [c.vocab_size]]

@@ -25,14 +25,16 @@ def _processes():
                 with open(f"/proc/{name}/stat") as f:
                     ppid = int(f.read().rsplit(")", 1)[1].split()[1])
                 with open(f"/proc/{name}/cmdline", "rb") as f:
-                    table[int(name)] = (ppid, f.read().replace(b"\0", b" ").decode(errors="replace"))
+                    cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+                    table[int(name)] = (ppid, cmdline)
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 pass
     return table
 
 
 def _descendants(pid, depth=1, exact=False):
-    """Processes at least (exact: exactly) `depth` generations below `pid`, from one look at the process table."""
+    """Processes at least (exact: exactly) `depth` generations below `pid`, from one look at the
+    process table."""
     table = _processes()
     found, frontier, generation = set(), {pid}, 0
     while frontier:
@@ -44,7 +46,7 @@ def _descendants(pid, depth=1, exact=False):
 
 def _spawned_by_snippets(pool):
     """Below the helper: launcher, worker, snippet process, then whatever a snippet spawned."""
-    return _descendants(pool._helper.pid, depth=4)
+    return _descendants(pool._server.helper.pid, depth=4)
 
 
 def _eventually(condition, patience=10.0):
@@ -72,9 +74,11 @@ def _cgroups(helper):
 
 
 @pytest.mark.parametrize("code, expected", [
-    ("from sympy import symbols, solve\nx = symbols('x')\nprint(solve(x**2 - 5*x + 6, x))", "[2, 3]\n"),
+    ("from sympy import symbols, solve\nx = symbols('x')\nprint(solve(x**2 - 5*x + 6, x))",
+     "[2, 3]\n"),
     ("import numpy as np\nprint(int(np.linalg.det(np.array([[2, 1], [1, 3]])).round()))", "5\n"),
-    ("from fractions import Fraction\nprint(sum(Fraction(1, n * (n + 1)) for n in range(1, 10)))", "9/10\n"),
+    ("from fractions import Fraction\nprint(sum(Fraction(1, n * (n + 1)) for n in range(1, 10)))",
+     "9/10\n"),
 ])
 def test_math_programs_print_the_right_value(pool, code, expected):
     result = pool.run(code)
@@ -89,7 +93,8 @@ def test_syntax_error_is_an_error_with_traceback(pool):
 def test_exception_is_an_error_with_traceback(pool):
     result = pool.run("def f():\n    return 1 / 0\nf()")
     assert result.status == "error"
-    assert result.stderr.startswith("Traceback") and "in f" in result.stderr and "ZeroDivisionError" in result.stderr
+    assert result.stderr.startswith("Traceback") and "in f" in result.stderr
+    assert "ZeroDivisionError" in result.stderr
 
 
 @pytest.mark.parametrize("code", ["while True:\n    pass", "import time\ntime.sleep(60)"])
@@ -123,7 +128,8 @@ def test_os_system_and_subprocess_leave_no_process(pool):
 def test_background_child_is_gone_afterwards(pool):
     marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
     code = ("import os\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
-            f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\nprint('left running')")
+            f"        os.execv('/bin/sleep', ['sleep', '{marker}'])\n    os._exit(0)\n"
+            "print('left running')")
     assert pool.run(code).stdout == "left running\n"
     assert _with_marker(f"sleep {marker}") == []
     assert _eventually(lambda: _spawned_by_snippets(pool) == set())
@@ -131,7 +137,8 @@ def test_background_child_is_gone_afterwards(pool):
 
 def test_files_written_outside_its_folder_do_not_appear(pool, tmp_path):
     name = f"t3rl-escape-{uuid.uuid4().hex}"
-    targets = [os.path.join(d, name) for d in ("/tmp", os.path.expanduser("~"), os.getcwd(), str(tmp_path), "/")]
+    targets = [os.path.join(d, name)
+               for d in ("/tmp", os.path.expanduser("~"), os.getcwd(), str(tmp_path), "/")]
     code = (f"for path in {targets!r}:\n    try:\n        open(path, 'w').write('x')\n"
             "    except OSError as e:\n        print(type(e).__name__)")
     pool.run(code)
@@ -141,8 +148,9 @@ def test_files_written_outside_its_folder_do_not_appear(pool, tmp_path):
 def test_callers_files_survive_a_snippet_deleting_them(pool, tmp_path):
     kept = tmp_path / "results.jsonl"
     kept.write_text("precious")
-    code = (f"import os, shutil\nfor path in [{str(kept)!r}, {__file__!r}]:\n    try:\n        os.remove(path)\n"
-            f"    except OSError:\n        pass\nshutil.rmtree({str(tmp_path)!r}, ignore_errors=True)\n"
+    code = (f"import os, shutil\nfor path in [{str(kept)!r}, {__file__!r}]:\n    try:\n"
+            "        os.remove(path)\n    except OSError:\n        pass\n"
+            f"shutil.rmtree({str(tmp_path)!r}, ignore_errors=True)\n"
             f"shutil.rmtree({HERE!r}, ignore_errors=True)")
     pool.run(code)
     assert kept.read_text() == "precious" and os.path.exists(__file__)
@@ -154,7 +162,8 @@ def test_secret_file_in_callers_working_folder_is_unreadable(pool):
     with open(path, "w") as f:
         f.write(secret)
     try:
-        code = (f"import glob\nfor p in [{path!r}] + glob.glob('/proc/*/cwd/{os.path.basename(path)}') + "
+        code = (f"import glob\nfor p in [{path!r}] + "
+                f"glob.glob('/proc/*/cwd/{os.path.basename(path)}') + "
                 f"glob.glob('/proc/*/root{path}'):\n    try:\n        print(open(p).read())\n"
                 "    except OSError as e:\n        print(type(e).__name__)")
         result = pool.run(code)
@@ -167,19 +176,22 @@ def test_secret_in_parents_environment_is_unreadable(tmp_path):
     secret = uuid.uuid4().hex
     probe = ("import glob, os\nprint(dict(os.environ))\n"
              "for p in ['/proc/%d/environ' % PARENT] + glob.glob('/proc/*/environ'):\n    try:\n"
-             "        print(p, open(p, 'rb').read())\n    except OSError as e:\n        print(p, type(e).__name__)")
+             "        print(p, open(p, 'rb').read())\n    except OSError as e:\n"
+             "        print(p, type(e).__name__)")
     parent = ("import os, sys\nsys.path.insert(0, sys.argv[1])\nfrom sandbox import SandboxPool\n"
               "with SandboxPool(workers=1) as pool:\n"
               "    result = pool.run(sys.argv[2].replace('PARENT', str(os.getpid())))\n"
               "print(result.status)\nprint(result.stdout)")
-    out = subprocess.run([sys.executable, "-c", parent, HERE, probe], capture_output=True, text=True, timeout=120,
+    out = subprocess.run([sys.executable, "-c", parent, HERE, probe], capture_output=True,
+                         text=True, timeout=120,
                          env={**os.environ, "T3RL_PLANTED_SECRET": secret}, cwd=tmp_path)
     assert out.stdout.startswith("ok\n") and "environ" in out.stdout and secret not in out.stdout
 
 
 def test_output_flood_is_truncated_and_memory_stays_bounded(pool):
     rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    result = pool.run("import sys\nfor _ in range(1000):\n    sys.stdout.write('x' * 100_000)", timeout=30)
+    result = pool.run("import sys\nfor _ in range(1000):\n    sys.stdout.write('x' * 100_000)",
+                      timeout=30)
     assert result.status == "output_limit" and len(result.stdout) == 64 << 10
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss_before < 20 << 10  # KiB
 
@@ -192,18 +204,22 @@ def test_200_snippets_at_once_all_finish_correctly(pool):
 def test_code_arriving_at_any_moment_of_the_idle_prefault_runs_correctly(pool):
     # one at a time, so each request lands somewhere in the waiting process's prefault solve
     results = [pool.run(f"import signal, time\ntime.sleep({i % 7} / 1e4)\n"
-                        f"print({i}, signal.getsignal(signal.SIGALRM) == signal.SIG_DFL)") for i in range(150)]
+                        f"print({i}, signal.getsignal(signal.SIGALRM) == signal.SIG_DFL)")
+               for i in range(150)]
     assert [(r.status, r.stdout) for r in results] == [("ok", f"{i} True\n") for i in range(150)]
 
 
 @pytest.mark.parametrize("code, statuses", [
-    ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(1, signal.SIGKILL)", {"ok", "error"}),
+    ("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nos.kill(1, signal.SIGKILL)",
+     {"ok", "error"}),
     ("import os\nos.close(1)\nos.close(2)\nprint('gone')", {"ok", "error"}),
-    ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass", {"timeout"}),
+    ("import signal\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\nwhile True:\n    pass",
+     {"timeout"}),
     ("import ctypes\nctypes.string_at(0)", {"killed"}),
     ("import sys\nsys.stdout.buffer.write(b'\\xff\\xfe\\xfd')", {"ok"}),
     ("def f(n):\n    return f(n + 1)\nf(0)", {"error"}),
-    ("import sys\nsys.setrecursionlimit(10**9)\ndef f(n):\n    return f(n + 1)\nf(0)", {"timeout", "memory", "killed"}),
+    ("import sys\nsys.setrecursionlimit(10**9)\ndef f(n):\n    return f(n + 1)\nf(0)",
+     {"timeout", "memory", "killed"}),
 ])
 def test_the_pool_survives_anything_a_snippet_does(pool, code, statuses):
     assert pool.run(code, timeout=1.0).status in statuses
@@ -211,7 +227,7 @@ def test_the_pool_survives_anything_a_snippet_does(pool, code, statuses):
 
 
 def test_a_dead_worker_is_reported_and_replaced(pool):
-    for worker in _descendants(pool._helper.pid, depth=2, exact=True):
+    for worker in _descendants(pool._server.helper.pid, depth=2, exact=True):
         os.kill(worker, signal.SIGKILL)
     first = pool.run_many(["print(3)"] * 4)
     assert {r.status for r in first} <= {"ok", "killed"} and "killed" in {r.status for r in first}
@@ -227,7 +243,8 @@ def test_stdin_reads_eof_at_once(pool):
 
 
 def test_environment_is_empty_and_home_is_its_own_folder(pool):
-    result = pool.run("import os\nprint(sorted(os.environ))\nprint(os.environ['HOME'] == os.getcwd())")
+    result = pool.run("import os\nprint(sorted(os.environ))\n"
+                      "print(os.environ['HOME'] == os.getcwd())")
     assert result.stdout == "['HOME', 'LANG', 'PATH', 'TMPDIR']\nTrue\n"
 
 
@@ -241,12 +258,14 @@ def test_network_is_unreachable_even_on_loopback(pool):
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        result = pool.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('in')")
+        result = pool.run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), "
+                          "timeout=2)\nprint('in')")
     assert result.status == "error" and "in" not in result.stdout
 
 
 def test_report_names_every_protection(pool):
-    assert set(pool.protections) == {"isolation", "files", "proc", "cleanup", "network", "user", "processes", "limits"}
+    assert set(pool.protections) == {"isolation", "files", "proc", "cleanup", "network", "user",
+                                     "processes", "limits"}
     assert pool.report.count("\n") == len(pool.protections) - 1
 
 
@@ -284,9 +303,10 @@ def test_two_pools_side_by_side_each_work():
 def test_closing_leaves_no_process_mount_cgroup_or_folder():
     mounts, temp_before = _mounts(), set(os.listdir(tempfile.gettempdir()))
     pool = SandboxPool(workers=2, timeout=1.0)
-    helper = pool._helper.pid
+    helper = pool._server.helper.pid
     pool.run_many(["import os\nos.system('sleep 100 &')\nwhile True:\n    pass",
-                   "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"])
+                   "import os\nwhile True:\n    try:\n        os.fork()\n"
+                   "    except OSError:\n        pass"])
     pool.close()
     assert _descendants(helper) == set() and helper not in _processes()
     assert _cgroups(helper) == [] and _mounts() == mounts
@@ -301,8 +321,8 @@ def test_closed_pool_refuses_work():
 
 
 @pytest.mark.parametrize("make", [
-    lambda: SandboxPool(workers=0), lambda: SandboxPool(timeout=0), lambda: SandboxPool(isolation="docker"),
-    lambda: SandboxPool(memory_bytes=1024),
+    lambda: SandboxPool(workers=0), lambda: SandboxPool(timeout=0),
+    lambda: SandboxPool(isolation="docker"), lambda: SandboxPool(memory_bytes=1024),
 ])
 def test_bad_settings_are_refused(make):
     with pytest.raises(ValueError):

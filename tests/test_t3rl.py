@@ -8,11 +8,13 @@ import torch
 from accelerate import Accelerator
 
 import config
-import domains
-import metrics
+from machinery.options import parse_config
+from machinery import domains
+from machinery import metrics
+import machinery
 import t3rl
 from helpers import QUESTIONS, ScriptedVerifier, final_weights, make_tiny_model, rows, tiny_argv, write_bench
-from model import load_model
+from machinery.model import load_model
 from sampler import Completion
 from verifier import VERIFIER_SYSTEM, VerifierPrompt
 
@@ -46,11 +48,11 @@ def test_drop_last_on_a_benchmark_smaller_than_a_step_is_refused_in_one_line():
 
 
 def test_self_verifier_answers_each_prompt_and_no_verify_builds_none(tiny_dir, tmp_path):
-    cfg = config.parse_config(tiny_argv(tiny_dir, tmp_path))
+    cfg = parse_config(tiny_argv(tiny_dir, tmp_path))
     verify = t3rl.build_verifier(cfg, torch.device("cpu"))
     [reply] = verify([VerifierPrompt(VERIFIER_SYSTEM, "Is 2 + 2 = 4?")])
     assert isinstance(reply.text, str) and 0 < reply.tokens <= cfg.verifier_max_new_tokens
-    assert t3rl.build_verifier(config.parse_config(tiny_argv(tiny_dir, tmp_path, verify=False)), "cpu") is None
+    assert t3rl.build_verifier(parse_config(tiny_argv(tiny_dir, tmp_path, verify=False)), "cpu") is None
 
 
 def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir, tmp_path, monkeypatch, patched):
@@ -58,7 +60,7 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
     write_bench(tmp_path / "data", [(p, g) for (p, _), g in zip(QUESTIONS, golds)])
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     # 64 rollouts: enough that right-but-unverified and verified-but-wrong rollouts both occur
-    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, questions_per_step=4,
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, questions_per_step=4,
                                                    n_votes=8)))
     gold = {f"q{i}": g for i, g in enumerate(golds)}
     train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
@@ -93,7 +95,7 @@ def test_ttrl_with_lazy_verification_still_runs_the_verifier_for_its_monitors(ti
     --omega 1 (TTRL) verifies them instead, for the verifier's precision and recall on TTRL's rollouts."""
     write_bench(tmp_path / "data", [(p, g) for (p, _), g in zip(QUESTIONS, ["0", "1", "2", "2"])])
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    cfg = config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, omega=1))
+    cfg = parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, omega=1))
     assert cfg.lazy_verify and cfg.verify
     run = t3rl.train(cfg)
     train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
@@ -108,9 +110,9 @@ def test_a_policy_whose_source_is_bfloat16_trains_float32_master_weights(tiny_di
     cpu preset's lr 2e-6, below bfloat16's spacing near the weights, moves them."""
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    real_load = t3rl.load_model
-    monkeypatch.setattr(t3rl, "load_model", lambda spec, dtype=None: real_load(spec, dtype or torch.bfloat16))
-    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lr=2e-6, n_votes=8,
+    real_load = machinery.model.load_model
+    monkeypatch.setattr(machinery.model, "load_model", lambda spec, dtype=None: real_load(spec, dtype or torch.bfloat16))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lr=2e-6, n_votes=8,
                                                    n_train=4, save_every=2)))
     assert sum(r["reward"] for r in rows(run, "rollouts.jsonl") if r["kept"]) > 0
     after = final_weights(run)
@@ -122,7 +124,7 @@ def test_a_policy_whose_source_is_bfloat16_trains_float32_master_weights(tiny_di
 
 def test_the_loop_keeps_two_questions_with_one_text_apart_when_it_verifies(pool, monkeypatch):
     """Two ids, one text: each question's lazy verification is its own (keyed by its place in the step)."""
-    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)
+    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)
     problem = "What is the sum of the integers from 1 to 10?"
     records = [{"id": "a", "problem": problem}, {"id": "b", "problem": problem}]
     answers = [["55", "55", "55", "54"], ["54", "53"]]
@@ -136,7 +138,7 @@ def test_the_loop_keeps_two_questions_with_one_text_apart_when_it_verifies(pool,
 def test_a_run_without_the_verifier_reports_no_verifier_precision_or_recall(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", [(p, g) for (p, _), g in zip(QUESTIONS, ["0", "1", "2", "2"])])
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, verify=False)))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, verify=False)))
     train_rows = [m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"]
     assert sum(m["correct_rollouts"] for m in train_rows) > 0  # a recall of 0 / that would be defined, and wrong
     for m in train_rows:
@@ -159,8 +161,8 @@ def _recorded_evaluation(tiny_dir, tmp_path, monkeypatch, **options):
     monkeypatch.setattr(t3rl, "generate", recording_generate)
     text_domain = dataclasses.replace(domains.MATH, extract=lambda text, problem: text, same=lambda a, b: a == b,
                                       key=lambda a: a, equiv=lambda a, gold: len(a) % 2 == 0)
-    monkeypatch.setattr(t3rl, "domain_of", lambda bench, rule="strict": text_domain)
-    cfg = config.parse_config(tiny_argv(tiny_dir, tmp_path, verify=False, **options))
+    monkeypatch.setattr(machinery.domains, "domain_of", lambda bench, rule="strict": text_domain)
+    cfg = parse_config(tiny_argv(tiny_dir, tmp_path, verify=False, **options))
     policy, tokenizer = load_model(str(tiny_dir))
     records = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
     result = t3rl.evaluate(policy, tokenizer, records, cfg, Accelerator(cpu=True), None, None)
@@ -212,7 +214,7 @@ def test_the_no_answer_share_is_logged_per_step_and_at_evaluation(tiny_dir, tmp_
     monkeypatch.setattr(domains, "extract_answer", lambda text: None if len(text) % 3 == 0 else "1")
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(config.parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
     logged = rows(run, "rollouts.jsonl")
     for m in (m for m in rows(run, "metrics.jsonl") if m["kind"] == "train"):
         step = [r for r in logged if r["step"] == m["step"]]

@@ -5,7 +5,7 @@ import os
 import pytest
 
 from answers import is_equiv
-from domains import MATH
+from machinery.domains import MATH
 from helpers import ScriptedVerifier
 from sandbox import SandboxPool
 from verifier import (
@@ -15,11 +15,10 @@ from verifier import (
     VerifierPrompt,
     extract_code,
     model_verifier,
-    python_tool,
-    tool_agrees,
     verifier_prompt,
     verify_batch,
 )
+from machinery.python_tool import python_tool, tool_agrees
 from voting import weighted_vote
 
 PROBLEM = "What is the sum of the integers from 1 to 10?"
@@ -194,7 +193,7 @@ def test_budget_keeps_problems_apart(verify_pool):
 
 
 def test_lazy_verification_stops_once_the_majority_is_verified(verify_pool, monkeypatch):
-    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)
+    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)
     answers = ["55", "55", "55", "55", "54", "56"]  # 55 verified scores 20, the others 5 at most
     verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"))
     results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, MATH, verify_pool, budget=1, omega=5.0)
@@ -203,7 +202,7 @@ def test_lazy_verification_stops_once_the_majority_is_verified(verify_pool, monk
 
 
 def test_lazy_verification_asks_the_classes_that_can_still_win_in_a_second_call(verify_pool, monkeypatch):
-    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # a second call pays even for one prompt spared
+    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)  # a second call pays even for one prompt spared
     answers = ["55", "55", "55", "55", "54", "56"]  # 55 fails (4): 54 or 56 verified (5) would beat it
     verifier = ScriptedVerifier(*[block("print(6 * 9)")] * 3)
     results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, MATH, verify_pool, budget=1, omega=5.0)
@@ -221,7 +220,7 @@ def test_lazy_verification_asks_every_class_that_can_win_at_once_when_a_second_c
 
 
 def test_lazy_verification_of_several_problems_makes_two_verifier_calls(verify_pool, monkeypatch):
-    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)
+    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)
     other = "What is 5 times 11?"
     problems = [PROBLEM] * 4 + [other] * 4
     answers = ["55", "55", "54", "53"] * 2  # per problem: 55 fails, so 54 and 53 can still win
@@ -235,7 +234,7 @@ def test_two_questions_with_the_same_text_vote_apart_when_keyed_apart(verify_poo
     """A benchmark may hold one text twice (two ids): keyed by question, each vote's laziness is its own, as
     if each were verified alone. By text the six rollouts would vote as one group, where a verified 55 (15)
     leaves the second question's 54 and 53 nothing to win, and they would be skipped."""
-    monkeypatch.setattr("verifier.LAZY_SECOND_CALL", 0)  # the likeliest winners first, then what can beat them
+    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)  # the likeliest winners first, then what can beat them
     a, b = ["55", "55", "55", "54"], ["54", "53"]
     program = block("print(sum(range(1, 11)))")
 

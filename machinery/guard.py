@@ -1,20 +1,22 @@
-"""The hard-coding guard: does a verifier program print the candidate answer copied in, rather than compute it?
+"""The hard-coding guard: does a verifier program print the candidate answer copied in, rather than
+compute it?
 
-Small verifiers copy the trace's final answer into the program (the paper's
-Figure 11); such a program "verifies" anything. The failure is a data flow: the candidate's value enters
-the program as a literal that the problem does not supply, and reaches the printed result. So the guard
-is a small taint analysis on the AST. Sources: a literal equal to the candidate answer (1320, 1320.0,
-'1320', f'{1320}') or spelling it as a fraction (Fraction(3, 4) for 3/4), that the problem text does not
+Small verifiers copy the trace's final answer into the program (the paper's Figure 11); such a
+program "verifies" anything. The failure is a data flow: the candidate's value enters the program as
+a literal that the problem does not supply, and reaches the printed result. So the guard is a small
+taint analysis on the AST. Sources: a literal equal to the candidate answer (1320, 1320.0, '1320',
+f'{1320}') or spelling it as a fraction (Fraction(3, 4) for 3/4), that the problem text does not
 contain. The taint follows data: calls (int(), Fraction(), sympy.Integer(), ...), subscripts, names
 through every assignment to them (tuple unpacking position by position, loops, augmented assignment,
 walrus), and the program's own functions through their returns. Arithmetic carries it only where it
-keeps the value (1320 * 1, 1320 + 0; not len(s) // 2 for the answer 2), and control flow does not carry
-it (`if x == 1320: print(x)` is a check, not a copy). A Python program whose printed result matches the
-candidate is refused when its last print(...) shows a tainted value. Recomputations from the problem's
-numbers stay clean: print(11 * 120) when the problem gives 11 and 120, print(math.comb(12, 3)).
+keeps the value (1320 * 1, 1320 + 0; not len(s) // 2 for the answer 2), and control flow does not
+carry it (`if x == 1320: print(x)` is a check, not a copy). A Python program whose printed result
+matches the candidate is refused when its last print(...) shows a tainted value. Recomputations from
+the problem's numbers stay clean: print(11 * 120) when the problem gives 11 and 120,
+print(math.comb(12, 3)).
 
-hardcoded(code, problem, answer) is what verify_batch asks (through the math Domain) of every program whose
-printed result matches the rollout's answer.
+hardcoded(code, problem, answer) is what verify_batch asks (through the math Domain) of every
+program whose printed result matches the rollout's answer.
 """
 import ast
 import re
@@ -24,14 +26,15 @@ from answers import answer_key
 
 
 def hardcoded(code, problem, answer):
-    """True when the value printed last by the program carries the candidate `answer` copied in as a literal
-    that the `problem` text does not supply (the module's docstring says how). A program that does not parse is not
-    hard-coded: it cannot run either, and the tool reports the error."""
+    """True when the value printed last by the program carries the candidate `answer` copied in as a
+    literal that the `problem` text does not supply (the module's docstring says how). A program
+    that does not parse is not hard-coded: it cannot run either, and the tool reports the error."""
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError):
         return False
-    prints = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    prints = [node for node in ast.walk(tree)
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
               and node.func.id == "print" and node.args]
     if not prints or answer is None:
         return False
@@ -53,16 +56,19 @@ def _value(text):
 
 
 class _Taint:
-    """Does an expression of the program carry the candidate answer, copied from outside the problem?"""
+    """Does an expression of the program carry the candidate answer, copied from outside the
+    problem?"""
 
     def __init__(self, tree, problem, answer):
-        self.numbers = {Fraction(n) for n in _PROBLEM_NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", problem))}
+        self.numbers = {Fraction(n) for n in
+                        _PROBLEM_NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", problem))}
         self.problem = problem
         self.answer_key, self.answer_value = answer_key(answer), _value(answer)
         self.bindings, self.returns = {}, {}
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                self.returns[node.name] = [r.value for r in ast.walk(node) if isinstance(r, ast.Return) and r.value]
+                self.returns[node.name] = [r.value for r in ast.walk(node)
+                                           if isinstance(r, ast.Return) and r.value]
             for target, value in _assignments(node):
                 self.bindings.setdefault(target, []).append(value)
 
@@ -70,27 +76,31 @@ class _Taint:
         if isinstance(constant.value, str):
             return answer_key(constant.value) == self.answer_key
         if isinstance(constant.value, (int, float)) and not isinstance(constant.value, bool):
-            return self.answer_value is not None and abs(Fraction(constant.value) - self.answer_value) <= \
+            return self.answer_value is not None and \
+                abs(Fraction(constant.value) - self.answer_value) <= \
                 abs(self.answer_value) * Fraction(1, 10 ** 9)
         return False
 
     def _is_answer_fraction(self, node):
-        """Fraction(3, 4) / sympy.Rational(3, 4) spelling the answer 3/4 with numbers the problem lacks."""
-        if not (isinstance(node, ast.Call) and len(node.args) == 2 and self.answer_value is not None and
-                getattr(node.func, "id", getattr(node.func, "attr", None)) in _EXACT_CALLS):
+        """Fraction(3, 4) / sympy.Rational(3, 4) spelling the answer 3/4 with numbers the problem
+        lacks."""
+        if not (isinstance(node, ast.Call) and len(node.args) == 2
+                and self.answer_value is not None
+                and getattr(node.func, "id", getattr(node.func, "attr", None)) in _EXACT_CALLS):
             return False
         parts = [a.value for a in node.args if isinstance(a, ast.Constant) and type(a.value) is int]
         return parts == [self.answer_value.numerator, self.answer_value.denominator] and \
             not {Fraction(p) for p in parts} <= self.numbers
 
     def _supplied(self, constant):
-        """Does the problem give this literal: one of its numbers, or a word of its text ('east' when it asks
-        "north, south, east or west?", a name it mentions)?"""
+        """Does the problem give this literal: one of its numbers, or a word of its text ('east'
+        when it asks "north, south, east or west?", a name it mentions)?"""
         value = _value(constant.value)
         if value is not None or not isinstance(constant.value, str):
             return value in self.numbers
         word = re.escape(constant.value.strip())
-        return bool(word) and re.search(rf"(?<!\w){word}(?!\w)", self.problem, re.IGNORECASE) is not None
+        return bool(word) and \
+            re.search(rf"(?<!\w){word}(?!\w)", self.problem, re.IGNORECASE) is not None
 
     def carries(self, node, seen=frozenset()):
         if isinstance(node, ast.Constant):
@@ -99,11 +109,12 @@ class _Taint:
             return True
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in seen:
             return any(self.carries(v, seen | {node.id}) for v in self.bindings.get(node.id, []))
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in self.returns \
-                and node.func.id not in seen:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                and node.func.id in self.returns and node.func.id not in seen:
             if any(self.carries(v, seen | {node.func.id}) for v in self.returns[node.func.id]):
                 return True
-        if isinstance(node, ast.BinOp):  # 1320 * 1 and 1320 + 0 keep the value; len(s) // 2 makes a new one
+        # 1320 * 1 and 1320 + 0 keep the value; len(s) // 2 makes a new one
+        if isinstance(node, ast.BinOp):
             return (self.carries(node.left, seen) and _identity(node.op, node.right)) or \
                 (self.carries(node.right, seen) and _identity(node.op, node.left, right_side=False))
         if isinstance(node, (ast.Subscript, ast.Attribute)):  # x[0] is x's value, not the index's
@@ -113,16 +124,20 @@ class _Taint:
 
 
 def _identity(op, other, right_side=True):
-    """Is `other` the literal that leaves the tainted operand's value unchanged under `op` (x * 1, x + 0, ...)?"""
+    """Is `other` the literal that leaves the tainted operand's value unchanged under `op`
+    (x * 1, x + 0, ...)?"""
     if not (isinstance(other, ast.Constant) and type(other.value) in (int, float)):
         return False
-    if isinstance(op, ast.Mult) or (right_side and isinstance(op, (ast.Div, ast.FloorDiv, ast.Pow))):
+    if isinstance(op, ast.Mult) or (right_side
+                                    and isinstance(op, (ast.Div, ast.FloorDiv, ast.Pow))):
         return other.value == 1
-    return (isinstance(op, ast.Add) or (right_side and isinstance(op, ast.Sub))) and other.value == 0
+    return (isinstance(op, ast.Add) or (right_side and isinstance(op, ast.Sub))) \
+        and other.value == 0
 
 
 def _assignments(node):
-    """(name, value expression) for each name `node` binds; unpacking a literal tuple goes position by position."""
+    """(name, value expression) for each name `node` binds; unpacking a literal tuple goes position
+    by position."""
     if isinstance(node, ast.Assign):
         pairs = [(t, node.value) for t in node.targets]
     elif isinstance(node, (ast.AnnAssign, ast.AugAssign, ast.NamedExpr)) and node.value is not None:

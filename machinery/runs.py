@@ -1,11 +1,12 @@
-"""The run folder: config.json, metrics.jsonl, rollouts.jsonl, checkpoint/ and the one before it, checkpoint.old/.
+"""The run folder: config.json, metrics.jsonl, rollouts.jsonl, checkpoint/ and the one before it,
+checkpoint.old/.
 
-Every file is replaced atomically (written aside, then renamed; files.py) or appended to, so a kill at any
-moment leaves a folder that --resume can continue: resume drops a half-written last JSONL line and the rows
-written after the checkpoint, sets a damaged newest checkpoint aside (checkpoint.damaged/) and falls back to
-checkpoint.old/. Experiment trackers (--report-to, through accelerate) get every metrics row as well, from
-the main process; their x axis is updates done: the evaluation before training at 0, train row `step` s at
-s + 1.
+Every file is replaced atomically (written aside, then renamed; files.py) or appended to, so a kill
+at any moment leaves a folder that --resume can continue: resume drops a half-written last JSONL
+line and the rows written after the checkpoint, sets a damaged newest checkpoint aside
+(checkpoint.damaged/) and falls back to checkpoint.old/. Experiment trackers (--report-to, through
+accelerate) get every metrics row as well, from the main process; their x axis is updates done: the
+evaluation before training at 0, train row `step` s at s + 1.
 """
 import json
 import os
@@ -20,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from files import drop_torn_tail, keep_jsonl, read_jsonl_rows, write_atomically
-from grpo import bf16_supported
+from machinery.files import drop_torn_tail, keep_jsonl, read_jsonl_rows, write_atomically
+from machinery.update import bf16_supported
 
 # The process group's timeout for every collective (NCCL's default: 10 minutes): the others wait at
 # a barrier while the main process writes a checkpoint, 18.5 GB for the paper's 1.5B policy and its
@@ -38,29 +39,33 @@ def run_dir_of(cfg) -> Path:
 
 
 def run_started(run_dir: Path) -> bool:
-    """Whether a folder holds a run's results (a folder with only config.json is a start that never ran)."""
-    return any((run_dir / name).exists() for name in ("metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.old"))
+    """Whether a folder holds a run's results (a folder with only config.json is a start that never
+    ran)."""
+    return any((run_dir / name).exists()
+               for name in ("metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.old"))
 
 
 def open_run_dir(cfg) -> Path:
-    """Create (or, with --resume, check) the run folder before any model loads: an unwritable --out-dir, a
-    reused name or a finished run stop here, in one line."""
+    """Create (or, with --resume, check) the run folder before any model loads: an unwritable
+    --out-dir, a reused name or a finished run stop here, in one line."""
     run_dir = run_dir_of(cfg)
     if cfg.resume:
         for name in ("metrics.jsonl", "rollouts.jsonl"):
             drop_torn_tail(run_dir / name)
         finished = [r for r in read_jsonl_rows(run_dir / "metrics.jsonl") if r.get("final")]
         if finished:
-            raise RunDirError(f"--resume {run_dir}: the run is finished (final evaluation at step {finished[-1]['step']} "
-                              f"in metrics.jsonl); read it with --replay {run_dir}, or start a new run with another "
-                              f"--run-name")
+            raise RunDirError(f"--resume {run_dir}: the run is finished (final evaluation at step "
+                              f"{finished[-1]['step']} in metrics.jsonl); read it with --replay "
+                              f"{run_dir}, or start a new run with another --run-name")
         saved = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
-        if {**asdict(cfg), "resume": saved.get("resume", "")} != saved:  # --eval-every / --save-every changed
-            write_atomically(run_dir / "config.json", json.dumps({**asdict(cfg), "resume": ""}, indent=2))
+        # --eval-every / --save-every changed
+        if {**asdict(cfg), "resume": saved.get("resume", "")} != saved:
+            write_atomically(run_dir / "config.json",
+                             json.dumps({**asdict(cfg), "resume": ""}, indent=2))
         return run_dir
     if run_started(run_dir):
-        raise RunDirError(f"run folder {run_dir} already holds a run; continue it with --resume {run_dir}, or "
-                          f"pick another --run-name (or --out-dir)")
+        raise RunDirError(f"run folder {run_dir} already holds a run; continue it with --resume "
+                          f"{run_dir}, or pick another --run-name (or --out-dir)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomically(run_dir / "config.json", json.dumps(asdict(cfg), indent=2))
@@ -70,18 +75,22 @@ def open_run_dir(cfg) -> Path:
     return run_dir
 
 
-def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler, accelerator):
-    """checkpoint/ = model and tokenizer (save_pretrained, a loadable --model folder) + optimizer, scheduler,
-    RNG states and step. Written as checkpoint.tmp/, then swapped in; the one it replaces stays as
-    checkpoint.old/, the fallback if the new one is ever found damaged. The other processes wait
-    for it under PROCESS_GROUP_TIMEOUT."""
+def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler,
+                    accelerator):
+    """checkpoint/ = model and tokenizer (save_pretrained, a loadable --model folder) + optimizer,
+    scheduler, RNG states and step. Written as checkpoint.tmp/, then swapped in; the one it replaces
+    stays as checkpoint.old/, the fallback if the new one is ever found damaged. The other processes
+    wait for it under PROCESS_GROUP_TIMEOUT."""
     if accelerator.is_main_process:
-        tmp, final, old = run_dir / "checkpoint.tmp", run_dir / "checkpoint", run_dir / "checkpoint.old"
+        tmp, final, old = (run_dir / "checkpoint.tmp", run_dir / "checkpoint",
+                           run_dir / "checkpoint.old")
         shutil.rmtree(tmp, ignore_errors=True)
         accelerator.unwrap_model(policy).save_pretrained(tmp / "model")
         tokenizer.save_pretrained(tmp / "model")
-        torch.save({"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}}, tmp / "state.pt")
+        torch.save({"step": step, "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}},
+                   tmp / "state.pt")
         if final.exists():
             if old.exists():
                 shutil.rmtree(old)
@@ -91,11 +100,12 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
 
 
 def checkpoint_damage(checkpoint: Path) -> str | None:
-    """Why a checkpoint folder cannot be resumed from (a missing file, truncated weights), or None. Cheap:
-    reads the safetensors headers, not the weights."""
+    """Why a checkpoint folder cannot be resumed from (a missing file, truncated weights), or None.
+    Cheap: reads the safetensors headers, not the weights."""
     model_dir = checkpoint / "model"
     weights = sorted(model_dir.glob("*.safetensors"))
-    for needed in (checkpoint / "state.pt", model_dir / "config.json", *(weights or [model_dir / "model.safetensors"])):
+    for needed in (checkpoint / "state.pt", model_dir / "config.json",
+                   *(weights or [model_dir / "model.safetensors"])):
         if not needed.is_file():
             return f"{needed.relative_to(checkpoint.parent)} is missing"
     for path in weights:
@@ -112,8 +122,9 @@ def checkpoint_damage(checkpoint: Path) -> str | None:
 
 
 def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
-    """The newest complete checkpoint and its state (step, optimizer, scheduler, RNG). A damaged one is set
-    aside as checkpoint.damaged/ (kept for inspection) and the previous one, checkpoint.old/, is used."""
+    """The newest complete checkpoint and its state (step, optimizer, scheduler, RNG). A damaged one
+    is set aside as checkpoint.damaged/ (kept for inspection) and the previous one,
+    checkpoint.old/, is used."""
     for name in ("checkpoint", "checkpoint.old"):
         checkpoint = run_dir / name
         if not checkpoint.exists():
@@ -121,14 +132,16 @@ def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
         problem = checkpoint_damage(checkpoint)
         if problem is None:
             try:
-                return checkpoint, torch.load(checkpoint / "state.pt", weights_only=False, map_location="cpu")
-            except Exception as err:  # truncated or corrupt pickle: EOFError, RuntimeError, UnpicklingError, ...
+                return checkpoint, torch.load(checkpoint / "state.pt", weights_only=False,
+                                              map_location="cpu")
+            except Exception as err:
+                # truncated or corrupt pickle: EOFError, RuntimeError, UnpicklingError, ...
                 problem = f"{name}/state.pt is damaged ({type(err).__name__})"
         damaged = run_dir / "checkpoint.damaged"
         shutil.rmtree(damaged, ignore_errors=True)
         os.replace(checkpoint, damaged)
-        print(f"[t3rl] {run_dir}: {problem}; moved it to {damaged.name}/ and falling back to the previous "
-              f"checkpoint", file=sys.stderr)
+        print(f"[t3rl] {run_dir}: {problem}; moved it to {damaged.name}/ and falling back to the "
+              f"previous checkpoint", file=sys.stderr)
     return None, None
 
 
@@ -142,9 +155,11 @@ def restore_state(state: dict, optimizer, scheduler) -> int:
 
 
 def drop_rows_after(run_dir: Path, start: int):
-    """Rows written after the checkpoint of step `start` are computed again; from step 0 that is all of them."""
+    """Rows written after the checkpoint of step `start` are computed again; from step 0 that is all
+    of them."""
     keep_jsonl(run_dir / "metrics.jsonl",
-               lambda r: start and (r["step"] < start or (r["kind"] == "eval" and r["step"] <= start)))
+               lambda r: start and (r["step"] < start
+                                    or (r["kind"] == "eval" and r["step"] <= start)))
     keep_jsonl(run_dir / "rollouts.jsonl", lambda r: r["step"] < start)
 
 
@@ -154,9 +169,9 @@ def tracker_names(cfg) -> list[str]:
 
 @contextmanager
 def tracking(accelerator, cfg, run_dir: Path, start: int):
-    """Trackers started with the run's config for the body of the run, finished (flushed, closed) after it. A
-    resumed run continues its tracker run: W&B by the run id kept in the run folder, TensorBoard in the same
-    folder with what was logged after the checkpoint purged."""
+    """Trackers started with the run's config for the body of the run, finished (flushed, closed)
+    after it. A resumed run continues its tracker run: W&B by the run id kept in the run folder,
+    TensorBoard in the same folder with what was logged after the checkpoint purged."""
     names = tracker_names(cfg)
     if accelerator.is_main_process and names:
         init_kwargs = {"tensorboard": {"purge_step": start + 1} if start else {}}
@@ -164,19 +179,21 @@ def tracking(accelerator, cfg, run_dir: Path, start: int):
             id_file = run_dir / "wandb_id"
             if not id_file.is_file():
                 id_file.write_text(uuid.uuid4().hex[:12])
-            init_kwargs["wandb"] = {"name": run_dir.name, "id": id_file.read_text(), "resume": "allow",
-                                    "dir": str(run_dir)}
+            init_kwargs["wandb"] = {"name": run_dir.name, "id": id_file.read_text(),
+                                    "resume": "allow", "dir": str(run_dir)}
         accelerator.init_trackers("t3rl", config=asdict(cfg), init_kwargs=init_kwargs)
     try:
         yield
     finally:
-        # not accelerator.end_training(): it also ends the process group, which belongs to the launcher
+        # not accelerator.end_training(): it also ends the process group, which belongs to the
+        # launcher
         for tracker in accelerator.trackers:
             tracker.finish()
 
 
 def tracker_row(row: dict, prefix: str = "") -> dict:
-    """A metrics row as trackers take it: its numbers under the same names, nested ones as 'status/verified'."""
+    """A metrics row as trackers take it: its numbers under the same names, nested ones as
+    'status/verified'."""
     flat = {}
     for key, value in row.items():
         if isinstance(value, dict):
@@ -190,7 +207,8 @@ def run_banner(run_dir: Path, records, batches, accelerator, start: int, *, resu
     processes = accelerator.num_processes
     return (f"run folder {run_dir}; {len(records)} questions, {len(batches)} steps, "
             f"{processes} process{'es' if processes > 1 else ''} on {accelerator.device.type}"
-            + (f", resuming after step {start}" if start else ", no checkpoint yet: from step 0" if resume else ""))
+            + (f", resuming after step {start}" if start
+               else ", no checkpoint yet: from step 0" if resume else ""))
 
 
 def precision_notes(cfg, device, asked: str) -> list[str]:
