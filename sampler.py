@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-BACKENDS = ("kv", "hf", "vllm")
+from config import BACKENDS
 
 
 @dataclass

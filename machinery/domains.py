@@ -105,8 +105,6 @@ class _Domains(dict):
 DOMAINS = _Domains(math=MATH)
 
 
-ANSWER_RULES = ("strict", "last-number")
-
 
 def domain_of(bench: str, answer_rule: str = "strict") -> Domain:
     """Knights and Knaves for --bench knk, math for every other benchmark; answer_rule picks how the

@@ -42,7 +42,6 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
                                         + stats["flip_broke"])
     correct = [is_correct(a, rec["answer"], dom) for a in answers]
     results = [res for res in verdicts if res is not None]
-    stats["verified"] = sum(vote.v)
     stats["correct"] = sum(correct)
     stats["no_answer"] = sum(a is None for a in answers)
     # the verifier's precision and recall count the rollouts it judged: not a skipped one (never
