@@ -162,6 +162,14 @@ class Config:
     # evaluation and bookkeeping
     eval_every: int = option(2, "evaluate every K steps, and before and after training (0 = only "
                              "before and after)", COUNT)
+    eval_on: str = option("trained", "the questions every evaluation covers: trained (those the "
+                          "run's steps visit: test-time RL is scored on what it trains on) | all "
+                          "(the benchmark after --limit) | held-out (those no step visits)",
+                          ("trained", "all", "held-out"))
+    eval_cache: str = option("auto", "folder keeping the evaluation before training, taken by a "
+                             "later run with the same model, questions, evaluation settings, seed "
+                             "and code: auto (T3RL_CACHE/evals, ~/.cache/t3rl/evals by default), a "
+                             "path, or none (always evaluate)")
     eval_samples: int = option(4, "k: sampled evaluation runs for avg@k (the papers' Pass@1) and "
                                "maj@k (paper: 16 for AIME 2024, 4 otherwise; 0 = greedy@1 only)",
                                COUNT)
@@ -237,10 +245,10 @@ PRESETS = {
     # the kv sampler for both roles: on CPUs it is faster than vLLM's CPU engine
     # (docs/results.md, engine bench)
     "cpu": dict(bench="demo", verifier_model="coder-1.5b", backend="kv", verifier_backend="kv",
-                n_votes=8, n_train=4, questions_per_step=3, max_steps=4, max_new_tokens=320,
-                verifier_max_new_tokens=256, verify_budget=1, lazy_verify=True, lr=2e-6,
-                answer_rule="strict", drop_last=True, eval_every=0, eval_samples=4, save_every=3,
-                micro_batch_tokens=4096, mini_batch_questions=2),
+                limit=6, episodes=2, questions_per_step=3, n_votes=8, n_train=4,
+                max_new_tokens=320, verifier_max_new_tokens=256, verify_budget=1,
+                lazy_verify=True, lr=2e-6, answer_rule="strict", drop_last=True, eval_every=0,
+                eval_samples=8, save_every=2, micro_batch_tokens=4096, mini_batch_questions=2),
     "none": {},
 }
 

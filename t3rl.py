@@ -24,6 +24,7 @@ import functools
 import hashlib
 import random
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -201,13 +202,13 @@ def gather_kept(shard, groups, judged, accelerator) -> Rollouts:
 # Evaluation (ground truth is used here, and only here and in the monitors of machinery/metrics.py)
 
 def evaluate(policy, tokenizer, records, cfg: Config, accelerator, verifier, pool,
-             tools=None) -> dict:
-    """greedy@1 (greedy decoding) and, with k = eval_samples, the papers' Pass@1: avg@k, the mean
-    accuracy of k sampled runs at the evaluation's own temperature and top-p, run j seeded as a
-    single run with seed + j (so avg@k is the mean of k single runs), with avg@k_std, the std of the
-    k runs' accuracies; maj@k and, when verifying, verified_maj@k (T3RL's vote used at inference on
-    the same k samples); and the share of rollouts that state no answer (greedy_no_answer,
-    no_answer@k). An agent policy (tools) is evaluated with its tool."""
+             tools=None) -> list[dict]:
+    """Every question's row (all processes'), for machinery.metrics.eval_metrics: greedy@1
+    (greedy decoding) and, with k = eval_samples, the k results of sampled runs at the evaluation's
+    own temperature and top-p, run j seeded as a single run with seed + j (so avg@k, the papers'
+    Pass@1, is the mean of k single runs); maj@k and, when verifying at omega > 1,
+    verified_maj@k (T3RL's vote used at inference on the same k samples); and whether rollouts
+    state no answer. An agent policy (tools) is evaluated with its tool."""
     shard = records[accelerator.process_index::accelerator.num_processes]
     unwrapped, k = accelerator.unwrap_model(policy), cfg.eval_samples
     dom = machinery.domains.domain_of(cfg.bench, cfg.answer_rule)
@@ -219,21 +220,30 @@ def evaluate(policy, tokenizer, records, cfg: Config, accelerator, verifier, poo
                          top_p=cfg.eval_top_p, seeds=seeds, progress="eval", tools=tools)
     sampled = [[flat[j * len(shard) + i][0] for j in range(k)] for i in range(len(shard))]  # [q][k]
     answers = read_answers(shard, sampled, dom)
+    verifies = verifier and machinery.evals.verifies(cfg)  # at omega 1 it is the majority vote
     verdicts = (verify_groups(shard, sampled, answers, verifier, pool, cfg, step=-1, purpose="eval")
-                if k and verifier else [None] * len(shard))
+                if verifies else [None] * len(shard))
     greedy_answers = read_answers(shard, greedy, dom)
     row = machinery.metrics.eval_row
-    rows = [row(rec, g[0], a, [r.v for r in v] if v else None, dom, cfg.omega)
-            for rec, g, a, v in zip(shard, greedy_answers, answers, verdicts)]
-    return machinery.metrics.eval_metrics(gather_object(rows), k)
+    return gather_object([row(rec, g[0], a, [r.v for r in v] if v else None, dom, cfg.omega)
+                          for rec, g, a, v in zip(shard, greedy_answers, answers, verdicts)])
 
 
-def log_evaluation(learner: Learner, records: list[dict], step: int, log, final: bool = False):
-    """Evaluate the policy, log the row (the final one with each accuracy's best over the run) and
-    print it."""
-    result = evaluate(learner.policy, learner.tokenizer, records, learner.cfg, learner.accelerator,
-                      learner.verifier, learner.pool, learner.tools)
-    row = {"kind": "eval", "step": step, **result}
+def log_evaluation(learner: Learner, records: list[dict], step: int, log, final: bool = False,
+                   coverage: dict | None = None):
+    """Evaluate the policy on records, log the row (the final one with each accuracy's best over
+    the run), its questions' rows (evaluations.jsonl), and print it. The evaluation before training
+    comes from machinery/evals.py's cache when an earlier run made the same one."""
+    cfg, accelerator, evals = learner.cfg, learner.accelerator, machinery.evals
+    rows = evals.load_cached(cfg, records, accelerator) if step == 0 else None
+    if rows is None:
+        rows = evaluate(learner.policy, learner.tokenizer, records, cfg, accelerator,
+                        learner.verifier, learner.pool, learner.tools)
+        if step == 0:
+            evals.store(cfg, records, rows, accelerator)
+    evals.log_questions(learner.run_dir, step, rows, accelerator)
+    result = machinery.metrics.eval_metrics(rows, cfg.eval_samples)
+    row = {"kind": "eval", "step": step, **(coverage or {}), **result}
     if final:  # each run's peak beside its end, as the papers' robustness figures use
         row["final"] = True
         if learner.accelerator.is_main_process:
@@ -249,13 +259,20 @@ def log_evaluation(learner: Learner, records: list[dict], step: int, log, final:
 def train(cfg: Config) -> Path:
     """The run: set up (machinery), evaluate before, rl_step over every step's questions with
     evaluations and checkpoints between, evaluate after, print the summary."""
+    clock, started = machinery.metrics.Stopwatch(), time.time()  # where this sitting's time goes
     accelerator = machinery.loop.make_accelerator(cfg)
     set_seed(cfg.seed)
     machinery.engine.configure(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
     records = machinery.benchmarks.load_bench(cfg.bench)[:cfg.limit or None]  # bad input ends here
     batches = question_batches(records, cfg)
-    learner, start = setup(cfg, accelerator, records, batches)
+    # test-time RL is scored on the questions it trains on (--eval-on)
+    questions = machinery.evals.eval_questions(records, batches, cfg)
+    coverage = machinery.evals.coverage(questions, batches, cfg)
+    with clock("load"):
+        learner, start = setup(cfg, accelerator, records, batches)
     run_dir, log = learner.run_dir, machinery.loop.metrics_logger(learner.run_dir, accelerator)
+    evaluation = lambda step, final=False: log_evaluation(  # noqa: E731
+        learner, questions, step, log, final=final, coverage=coverage)
     with SandboxPool(timeout=cfg.sandbox_timeout) as learner.pool, \
             machinery.runs.tracking(accelerator, cfg, run_dir, start):
         if cfg.agent:
@@ -265,7 +282,8 @@ def train(cfg: Config) -> Path:
             workers = f"{learner.pool.workers} worker{'s' if learner.pool.workers > 1 else ''}"
             print(f"[t3rl] sandbox, {workers} per process:\n{learner.pool.report}", file=sys.stderr)
         if start == 0:
-            log_evaluation(learner, records, 0, log, final=cfg.eval_only)
+            with clock("evaluation"):
+                evaluation(0, final=cfg.eval_only)
             if cfg.eval_only:
                 return run_dir
         steps = range(start, len(batches))
@@ -274,15 +292,20 @@ def train(cfg: Config) -> Path:
             row = rl_step(step, batches[step], learner)
             log(row)
             accelerator.print(machinery.metrics.format_step(row, len(batches)))
+            for phase in ("sample", "verify", "update"):
+                clock[phase] = clock.get(phase, 0.0) + row[f"seconds/{phase}"]
             done = step + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < len(batches):
-                log_evaluation(learner, records, done, log)
+                with clock("evaluation"):
+                    evaluation(done)
             if done % cfg.save_every == 0 or done == len(batches):
                 machinery.runs.save_checkpoint(run_dir, done, learner.policy, learner.tokenizer,
                                                learner.optimizer, learner.scheduler, accelerator)
-        log_evaluation(learner, records, len(batches), log, final=True)
+        with clock("evaluation"):
+            evaluation(len(batches), final=True)
     if accelerator.is_main_process:
         print(machinery.metrics.summary(run_dir))
+        print(machinery.metrics.time_line(clock | {"wall": time.time() - started}))
         machinery.metrics.plot_run(run_dir)
     return run_dir
 

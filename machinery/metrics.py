@@ -162,7 +162,7 @@ def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float
     verified_maj@k (the weighted vote on the k samples, when verified: [k] verdicts) and the shares
     with no answer."""
     gold, k = rec["answer"], len(answers)
-    row = {"level": rec.get("level"), "greedy@1": float(is_correct(greedy_answer, gold, domain)),
+    row = {"id": rec["id"], "level": rec.get("level"), "greedy@1": float(is_correct(greedy_answer, gold, domain)),
            "greedy_no_answer": float(greedy_answer is None)}
     if k:
         row["runs"] = [float(is_correct(a, gold, domain)) for a in answers]  # [k]
@@ -186,7 +186,7 @@ def eval_metrics(rows: list[dict], k: int) -> dict:
             per_run = [statistics.fmean(r["runs"][j] for r in rows) for j in range(k)]
             result[f"avg@{k}"], result[f"avg@{k}_std"] = (statistics.fmean(per_run),
                                                           statistics.pstdev(per_run))
-        keys = [key for key in rows[0] if key not in ("level", "runs", "greedy@1")]
+        keys = [key for key in rows[0] if key not in ("id", "level", "runs", "greedy@1")]
         return result | {key: statistics.fmean(r[key] for r in rows) for key in keys}
     result = reduce(rows)
     levels = sorted({r["level"] for r in rows if r["level"] is not None})
@@ -195,6 +195,8 @@ def eval_metrics(rows: list[dict], k: int) -> dict:
     return result
 
 
+# what an evaluation row says about its questions (machinery/evals.py's coverage)
+COVERAGE = ("eval_on", "questions", "trained_questions")
 ACCURACY = re.compile(r"(greedy@1|avg@\d+|maj@\d+|verified_maj@\d+)$")
 
 
@@ -238,17 +240,28 @@ def summary(run_dir: Path) -> str:
         lines.append(f"Pass@1 = avg@{k} +- std over {k} runs: before {spread(before)}, "
                      f"final {spread(after)}, best "
                      f"{best[f'best/avg@{k}']:.3f} at step {best[f'best/avg@{k}/step']}")
+    shown = after or before
+    if "eval_on" in shown:  # which questions the numbers are on
+        of = {"trained": "the run trains on", "all": "of the benchmark",
+              "held-out": "no step visits"}[shown["eval_on"]]
+        lines.append(f"evaluated on the {shown['questions']} questions {of} "
+                     f"(--eval-on {shown['eval_on']}; {shown['trained_questions']} of them trained)")
     lines.append(f"{'metric':<28}{'before':>10}{'final':>10}{'best':>10}  at step")
     if not before:
         lines.append(f"(no step-0 evaluation in {run_dir / 'metrics.jsonl'}: the file was cut or "
                      f"deleted; 'before' is unknown)")
     for key in before or after:
-        if key not in ("kind", "step", "final", "by_level") and not key.startswith("best/") and \
+        if key not in ("kind", "step", "final", "by_level", *COVERAGE) and \
+                not key.startswith("best/") and \
                 isinstance((before or after)[key], (int, float)):
             fmt = lambda row: f"{row[key]:>10.3f}" if key in row else f"{'-':>10}"  # noqa: E731
             peak = (f"{best[f'best/{key}']:>10.3f}  {best[f'best/{key}/step']}"
                     if f"best/{key}" in best else "")
             lines.append(f"{key:<28}{fmt(before)}{fmt(after)}{peak}")
+    if k or before:
+        changes = question_changes(read_jsonl_rows(run_dir / "evaluations.jsonl"),
+                                   int(k) if k else 0)
+        lines += [changes] if changes else []
     if train_rows:
         lines += _training_lines(train_rows)
     return "\n".join(lines)
@@ -319,3 +332,29 @@ def plot_run(run_dir: Path):
     fig.tight_layout()
     fig.savefig(run_dir / "curves.png", dpi=100)
     plt.close(fig)
+
+
+def question_changes(rows: list[dict], k: int) -> str:
+    """How many evaluated questions rose, fell or stayed between the first and the final evaluation
+    (avg@k per question; greedy@1 when k is 0): evaluations.jsonl's rows."""
+    steps = sorted({r["step"] for r in rows})
+    if len(steps) < 2:
+        return ""
+    score = lambda r: sum(r["runs"]) / k if k else r["greedy@1"]  # noqa: E731
+    first = {r["id"]: score(r) for r in rows if r["step"] == steps[0]}
+    last = {r["id"]: score(r) for r in rows if r["step"] == steps[-1]}
+    shared = first.keys() & last.keys()
+    up = sum(last[q] > first[q] for q in shared)
+    down = sum(last[q] < first[q] for q in shared)
+    what = f"avg@{k}" if k else "greedy@1"
+    return (f"per question ({what}, step {steps[0]} -> {steps[-1]}): {up} up, {down} down, "
+            f"{len(shared) - up - down} same")
+
+
+def time_line(seconds: dict) -> str:
+    """Where the run's time went: each phase in minutes and its share of the wall time."""
+    wall = seconds["wall"]
+    parts = [(phase, value) for phase, value in seconds.items() if phase != "wall"]
+    parts.append(("other", max(wall - sum(value for _, value in parts), 0.0)))
+    shares = ", ".join(f"{phase} {value / 60:.1f} ({value / wall:.0%})" for phase, value in parts)
+    return f"time {wall / 60:.1f} min: {shares}"

@@ -282,6 +282,19 @@ def _resolve(spec: str) -> Path | str:
     return path if path.is_dir() else spec
 
 
+def model_fingerprint(spec: str) -> str:
+    """What identifies a --model value's weights without reading them: its folder and each file's
+    name, size and modification time (a Hub snapshot's weights are named by their content hash)."""
+    source = _resolve(spec)
+    folder = source if isinstance(source, Path) else hub_snapshot(spec)
+    digest = hashlib.sha256(str(folder.resolve()).encode())
+    for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        stat = path.stat()
+        digest.update(f"{path.name}|{path.resolve().name}|{stat.st_size}|{stat.st_mtime_ns}"
+                      .encode())
+    return digest.hexdigest()
+
+
 def parse_dtype(dtype) -> torch.dtype:
     if dtype is None:
         return torch.float32

@@ -1,5 +1,5 @@
-"""The run folder: config.json, metrics.jsonl, rollouts.jsonl, checkpoint/ and the one before it,
-checkpoint.old/.
+"""The run folder: config.json, metrics.jsonl, rollouts.jsonl, evaluations.jsonl, checkpoint/ and
+the one before it, checkpoint.old/.
 
 Every file is replaced atomically (written aside, then renamed; files.py) or appended to, so a kill
 at any moment leaves a folder that --resume can continue: resume drops a half-written last JSONL
@@ -50,7 +50,7 @@ def open_run_dir(cfg) -> Path:
     --out-dir, a reused name or a finished run stop here, in one line."""
     run_dir = run_dir_of(cfg)
     if cfg.resume:
-        for name in ("metrics.jsonl", "rollouts.jsonl"):
+        for name in ("metrics.jsonl", "rollouts.jsonl", "evaluations.jsonl"):
             drop_torn_tail(run_dir / name)
         finished = [r for r in read_jsonl_rows(run_dir / "metrics.jsonl") if r.get("final")]
         if finished:
@@ -161,6 +161,10 @@ def drop_rows_after(run_dir: Path, start: int):
                lambda r: start and (r["step"] < start
                                     or (r["kind"] == "eval" and r["step"] <= start)))
     keep_jsonl(run_dir / "rollouts.jsonl", lambda r: r["step"] < start)
+    # an evaluation's question rows stay with its metrics row (a kill may fall between the two)
+    evaluated = {r["step"] for r in read_jsonl_rows(run_dir / "metrics.jsonl")
+                 if r["kind"] == "eval"}
+    keep_jsonl(run_dir / "evaluations.jsonl", lambda r: r["step"] in evaluated)
 
 
 def tracker_names(cfg) -> list[str]:

@@ -146,12 +146,15 @@ def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, t
 
 
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):
+    """Interrupted in step 4, after the evaluation at step 3 that follows the checkpoint at step 2: the resumed
+    run drops that evaluation's rows (metrics and per question) and logs them again, once."""
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    straight = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "a", max_steps=3)))
+    argv = lambda out: tiny_argv(tiny_dir, tmp_path / out, max_steps=4, eval_every=1)  # noqa: E731
+    straight = t3rl.train(parse_config(argv("a")))
 
-    with interrupted_at_update(monkeypatch, 3), pytest.raises(SystemExit) as stop:
-        t3rl.main(tiny_argv(tiny_dir, tmp_path / "b", max_steps=3))  # Ctrl-C: one line with the command that continues the run
+    with interrupted_at_update(monkeypatch, 4), pytest.raises(SystemExit) as stop:
+        t3rl.main(argv("b"))  # Ctrl-C: one line with the command that continues the run
     run = tmp_path / "b" / "run"
     assert stop.value.code == (f"interrupted: {run} holds every step up to its last checkpoint; continue with: "
                                f"python t3rl.py --resume {run}")
@@ -159,6 +162,8 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
 
     assert without_timing(rows(resumed, "metrics.jsonl")) == without_timing(rows(straight, "metrics.jsonl"))
     assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
+    assert rows(resumed, "evaluations.jsonl") == rows(straight, "evaluations.jsonl")
+    assert [r["step"] for r in rows(resumed, "evaluations.jsonl")] == [s for s in range(5) for _ in QUESTIONS]
     a, b = final_weights(straight), final_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -165,8 +165,8 @@ def _recorded_evaluation(tiny_dir, tmp_path, monkeypatch, **options):
     cfg = parse_config(tiny_argv(tiny_dir, tmp_path, verify=False, **options))
     policy, tokenizer = load_model(str(tiny_dir))
     records = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
-    result = t3rl.evaluate(policy, tokenizer, records, cfg, Accelerator(cpu=True), None, None)
-    return result, calls
+    per_question = t3rl.evaluate(policy, tokenizer, records, cfg, Accelerator(cpu=True), None, None)
+    return metrics.eval_metrics(per_question, cfg.eval_samples), calls
 
 
 def test_evaluation_samples_at_its_own_temperature_not_trainings(tiny_dir, tmp_path, monkeypatch):
