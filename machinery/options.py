@@ -207,6 +207,10 @@ def check_config(cfg: Config, source: str = ""):
                                 ("--verifier-backend", verifier_backend(cfg))):
             if backend == "vllm" and not vllm_installed():
                 raise OptionError(f"{option} vllm: vLLM is not installed; {VLLM_INSTALL_HINT}")
+        cache = Path(cfg.eval_cache).expanduser()
+        if cfg.eval_cache not in ("auto", "none") and cache.exists() and not cache.is_dir():
+            raise OptionError(f"--eval-cache {cfg.eval_cache}: a file, not a folder; pass a folder "
+                              f"(it is created), auto or none")
         if cfg.n_train > cfg.n_votes:
             raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes "
                               f"({cfg.n_votes}); M rollouts are kept out of the N sampled")

@@ -184,6 +184,9 @@ BAD_INPUTS = [
     ("verifier-top-p", lambda c: argv_for(c, verifier_top_p=0), r"--verifier-top-p 0.0: must be in \(0, 1\]"),
     ("verify-budget", lambda c: argv_for(c, verify_budget=-1), r"--verify-budget -1: must be in \[0, inf\)"),
     ("eval-samples", lambda c: argv_for(c, eval_samples=-1), r"--eval-samples -1: must be in \[0, inf\)"),
+    ("eval-cache a file", lambda c: argv_for(c, eval_cache=str(c["tiny"] / "config.json")),
+     r"--eval-cache .*config.json: a file, not a folder; pass a folder \(it is created\), auto or none"),
+    ("eval-on", lambda c: argv_for(c, eval_on="test"), r"--eval-on test: choose one of trained, all, held-out"),
     ("episodes", lambda c: argv_for(c, episodes=0), r"--episodes 0: must be in \[1, inf\)"),
     ("save-every", lambda c: argv_for(c, save_every=0), r"--save-every 0: must be in \[1, inf\)"),
     ("n-votes", lambda c: argv_for(c, n_votes=0), r"--n-votes 0: must be in \[1, inf\)"),
@@ -267,7 +270,7 @@ def test_the_table_covers_thirty_bad_inputs_and_every_option_has_a_range():
     assert len(BAD_INPUTS + NEEDS_A_MODEL) >= 30
     for f in dataclasses.fields(config.Config):
         # free text, checked elsewhere: model names by check_spec, tracker names by check_config
-        free_text = f.name in ("model", "verifier_model", "out_dir", "run_name", "resume", "report_to")
+        free_text = f.name in ("model", "verifier_model", "out_dir", "run_name", "resume", "report_to", "eval_cache")
         assert f.type in (bool, "bool") or free_text or f.metadata["allowed"] is not None, f"--{f.name} has no range"
 
 
