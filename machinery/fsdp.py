@@ -2,8 +2,8 @@
 DDP's replicas; what the loop touches made to work with it.
 
     trained, policy, ref = shard_models(policy, ref, cfg, device)  # setup(), before the optimizer
-    grpo_step(trained_module(policy), ...)                   # the update trains the shards
-    refresh(policy)                                          # after it, on every process
+    grpo_step(trained_module(policy), ...)                         # the update trains the shards
+    refresh(policy)                                                # after it, on every process
 
 - Sharding: each decoder layer is a unit (its parameters all-gathered for its forward and its
   backward, its gradients reduce-scattered), then the root (embedding, final norm, head, so the tied
@@ -27,6 +27,8 @@ import weakref
 
 import torch
 from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from config import OptionError
 
 # the sampling copy -> the sharded module the update trains
 _TRAINED = weakref.WeakKeyDictionary()
@@ -65,15 +67,17 @@ def _mesh(device):
 
 
 def _shard_layers(model, mesh):
+    # resharded after each forward, also where a layer is its own root (the reference model's), for
+    # which FSDP's default keeps it gathered
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The model's decoder layers (transformers' layout: model.model.layers)."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
-        raise ValueError(f"--parallel fsdp: {type(model).__name__} has no model.layers to shard "
+        raise OptionError(f"--parallel fsdp: {type(model).__name__} has no model.layers to shard "
                          f"layer by layer; pass --parallel ddp")
     return list(layers)
 
@@ -85,6 +89,7 @@ def trained_module(policy):
 
 
 def is_sharded(module) -> bool:
+    """Whether the module is an FSDP unit (what grpo_step trains under --parallel fsdp)."""
     return isinstance(module, FSDPModule)
 
 

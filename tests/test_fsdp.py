@@ -179,3 +179,29 @@ def test_parallel_fsdp_is_asked_on_the_command_line_or_by_accelerates_config(tin
     assert parse_config(argv).parallel == "fsdp"
     with pytest.raises(OptionError, match=r"^--parallel ddp: accelerate's config asks for FSDP"):
         parse_config([*argv, "--parallel", "ddp"])
+
+
+def test_the_gpu_memory_check_counts_the_shards_and_the_sampling_copy(monkeypatch):
+    """Qwen3-4B (4,022,468,096 parameters) beside both engines at 0.3 of an 80 GiB GPU: DDP's 16
+    bytes a parameter do not fit, FSDP's shards on 8 processes do (the copy in CPU memory under vLLM);
+    with the kv sampler the bfloat16 copy is on the GPU."""
+    import types
+    import config
+    import machinery
+    from machinery import engine
+    monkeypatch.setattr(engine.SETTINGS, "gpu_memory_utilization", 0.3)
+    monkeypatch.setattr(machinery.options, "has_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=80 * 2**30))
+    policy = types.SimpleNamespace(parameters=lambda: [torch.empty(1).expand(4_022_468_096)])
+    lines = []
+    accelerator = types.SimpleNamespace(device=torch.device("cuda"), num_processes=8, print=lines.append)
+    with pytest.raises(OptionError, match=r"trainer 59.9 GiB, -27.9 GiB left: does not fit"):
+        machinery.loop.check_gpu_memory(config.Config(backend="vllm", sample_dtype="bfloat16"), policy, accelerator)
+    machinery.loop.check_gpu_memory(config.Config(backend="vllm", sample_dtype="bfloat16", parallel="fsdp"), policy,
+                                    accelerator)
+    machinery.loop.check_gpu_memory(config.Config(backend="kv", verifier_backend="vllm", sample_dtype="bfloat16",
+                                                  parallel="fsdp"), policy, accelerator)
+    assert [line.split(": ", 1)[1] for line in lines] == [
+        "policy's engine 24.0 GiB (asleep during the update), verifier's engine 24.0 GiB, trainer 7.5 GiB, 24.5 GiB left",
+        "verifier's engine 24.0 GiB, trainer 15.0 GiB, 41.0 GiB left"]
