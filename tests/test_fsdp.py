@@ -3,12 +3,12 @@ the same seeds, with a process that has no question, with processes that hold di
 micro-batches, and from a checkpoint; the checkpoint is a --model folder as DDP's is."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from config import GRPOSettings, OptionError
 from grpo import Rollouts
@@ -43,9 +43,11 @@ def sharp_dir(tmp_path_factory, tokenizer, tied: bool):
     """The tiny model with peaked next-token distributions, its head tied to the embedding (the
     final norm scaled 5x: more would leave every rollout alike) or untied (the head scaled 20x):
     DDP's and FSDP's updates differ by float rounding (summation order), which cannot flip a token
-    drawn in float32 from such distributions."""
+    drawn in float32 from such distributions. Hidden size 32: a checkpoint of the 152k-token
+    embedding and its AdamW state is 70 MB."""
     folder = tmp_path_factory.mktemp(f"sharp-{'tied' if tied else 'untied'}")
-    model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied, hidden_size=32,
+                            intermediate_size=64)
     with torch.no_grad():
         (model.model.norm.weight if tied else model.lm_head.weight).mul_(5.0 if tied else 20.0)
     model.save_pretrained(folder)
@@ -115,6 +117,7 @@ def test_three_processes_under_fsdp_train_as_ddp_with_a_process_without_question
     train_rows = [r for r in rows(fsdp, "metrics.jsonl") if r["kind"] == "train"]
     assert [(r["questions"], r["grpo/optimizer_steps"]) for r in train_rows] == [(2, 2), (2, 2)]
     assert any(abs(r["grpo/ratio"] - 1) > 1e-4 for r in train_rows)
+    shutil.rmtree(tmp_path / "ddp"), shutil.rmtree(tmp_path / "fsdp")  # 140 MB of checkpoints
 
 
 def test_two_processes_under_fsdp_train_as_ddp_resume_exactly_and_save_a_model_folder(
@@ -126,13 +129,13 @@ def test_two_processes_under_fsdp_train_as_ddp_resume_exactly_and_save_a_model_f
     model_dir = sharp_dir(tmp_path_factory, tokenizer, tied=True)
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    options = dict(max_steps=2, eval_samples=0, n_train=3, micro_batch_rollouts=1, save_every=1)
+    options = dict(max_steps=2, eval_samples=0, n_train=3, micro_batch_rollouts=1)
     ddp, _ = launch(model_dir, tmp_path, 2, "ddp", **options)
-    fsdp, sharded = launch(model_dir, tmp_path, 2, "fsdp", parallel="fsdp", **options)
+    fsdp, sharded = launch(model_dir, tmp_path, 2, "fsdp", parallel="fsdp", save_every=1, **options)
     assert_sharded(sharded, 2)
     assert_trained_alike(ddp, fsdp)
 
-    cut = copy_run(fsdp, tmp_path / "cut", upto=1)  # what a kill after the step-1 checkpoint leaves
+    cut = copy_run(fsdp, tmp_path / "cut" / "run", upto=1)  # what a kill after the step-1 checkpoint leaves
     resumed, sharded = launch(model_dir, tmp_path, 2, "cut", "--resume", str(cut))
     assert_sharded(sharded, 2)
     assert [r["step"] for r in rows(resumed, "metrics.jsonl") if r["kind"] == "train"] == [0, 1]
@@ -146,6 +149,8 @@ def test_two_processes_under_fsdp_train_as_ddp_resume_exactly_and_save_a_model_f
     loaded = models.load_model(str(folder))[0].state_dict()  # what --model loads
     assert "lm_head.weight" not in a and loaded["lm_head.weight"] is not None
     assert all(torch.equal(loaded[k], a[k]) for k in a) and a["model.norm.weight"].dtype == torch.float32
+    for out in ("ddp", "fsdp", "cut"):  # 350 MB of checkpoints
+        shutil.rmtree(tmp_path / out)
 
 
 def plan_counts(batch, settings, processes, lockstep):
