@@ -87,9 +87,8 @@ def assert_trained_alike(ddp, fsdp):
     rounding level shows as a small fraction of lr (1e-3 here)."""
     key = lambda r: (r["step"], r["id"], r["index"])  # noqa: E731
     assert sorted(rows(ddp, "rollouts.jsonl"), key=key) == sorted(rows(fsdp, "rollouts.jsonl"), key=key)
-    rewards = [r["reward"] for r in rows(fsdp, "rollouts.jsonl")]
-    assert 0 < sum(rewards) < len(rewards)  # the updates move the weights
     a, b = without_timing(rows(ddp, "metrics.jsonl")), without_timing(rows(fsdp, "metrics.jsonl"))
+    assert all(r["grpo/grad_norm"] > 0 for r in b if r["kind"] == "train")  # every update moves the weights
     plain = lambda r: {k: v for k, v in r.items() if not k.startswith("grpo/")}  # noqa: E731
     assert [plain(r) for r in a] == [plain(r) for r in b]
     for ra, rb in zip(a, b):
@@ -108,7 +107,7 @@ def test_three_processes_under_fsdp_train_as_ddp_with_a_process_without_question
     model_dir = sharp_dir(tmp_path_factory, tokenizer, tied=False)
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    options = dict(max_steps=2, eval_samples=0, mini_batch_questions=1)
+    options = dict(max_steps=2, eval_samples=0, mini_batch_questions=1, seed=1)  # seed 0 keeps tied pairs
     ddp, plain = launch(model_dir, tmp_path, 3, "ddp", **options)
     fsdp, sharded = launch(model_dir, tmp_path, 3, "fsdp", parallel="fsdp", **options)
     assert set(plain.values()) == {f"sharded False, {plain[0].split()[-1]} of {plain[0].split()[-1]}"}
