@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 BENCHES = ("math500", "aime2024", "amc", "demo", "knk")
 ANSWER_RULES = ("strict", "last-number")
 BACKENDS = ("kv", "hf", "vllm")
+PARALLEL_MODES = ("ddp", "fsdp")
 AGGREGATIONS = ("token-mean", "micro-token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -151,6 +152,10 @@ class Config:
                                       "recompute activations in the backward pass to save memory")
     bf16: bool = option(True, "bfloat16 autocast over float32 master weights "
                         "where the hardware supports it")
+    parallel: str = option("ddp", "how several processes hold the policy: ddp (a replica each) "
+                           "or fsdp (FSDP2: weights, gradients and AdamW state sharded; "
+                           "docs/distributed.md); an accelerate config asking for FSDP picks fsdp",
+                           PARALLEL_MODES)
     # the inference engine (--backend vllm)
     vllm_gpu_memory_utilization: float = option(0.3, "share of each GPU's memory an engine takes "
                                                 "(colocated beside the trainer)",

@@ -61,7 +61,7 @@ def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSett
 
     advantages = group_advantages(batch.rewards, s.group_size, scale=s.scale_advantages)  # [B]
     advantages = advantages.to(device)
-    plan = batches.plan(batch, advantages, s, accelerator)
+    plan = batches.plan(batch, advantages, s, accelerator, lockstep=books.is_sharded(model))
     kernel.set_checkpointing(model, s.gradient_checkpointing)
     was_training = model.training
     model.train()
@@ -231,14 +231,13 @@ def _mini_batch_update(model, optimizer, micro: list, *, accelerator, autocast, 
     when the gradient norm is not finite. Returns token-weighted sums of the loss statistics over
     this process's rollouts (weight-0 ones excluded), and this step's loss, gradient norm, learning
     rate and whether it was skipped (counted once, by the main process)."""
+    from machinery import update as books
     sums = {}
     loss_total = torch.zeros((), device=micro[0].input_ids.device)
     for k, b in enumerate(micro):
         # gradients are all-reduced once, on the last micro-batch
         last = k == len(micro) - 1
-        sync = nullcontext() if last else (accelerator.no_sync(model) if accelerator is not None
-                                           else getattr(model, "no_sync", nullcontext)())
-        with sync:
+        with nullcontext() if last else books.no_sync(model, accelerator):
             with autocast():
                 # [b, T] each
                 logp, entropy = logprobs(model, b.input_ids, b.attention_mask, b.response_mask)
@@ -256,10 +255,7 @@ def _mini_batch_update(model, optimizer, micro: list, *, accelerator, autocast, 
         for name, value in stats.items():
             sums[name] = sums.get(name, 0.0) + value * tokens
         sums["response_tokens"] = sums.get("response_tokens", 0.0) + tokens
-    params = [p for p in model.parameters() if p.requires_grad]
-    clip = (accelerator.clip_grad_norm_ if accelerator is not None
-            else torch.nn.utils.clip_grad_norm_)
-    grad_norm = clip(params, max_grad_norm)
+    grad_norm = books.clip_gradients(model, max_grad_norm, accelerator)
     processes = accelerator.num_processes if accelerator is not None else 1
     main = accelerator is None or accelerator.is_main_process
     # loss_total is this process's share of L_k, scaled by processes (the weights above):

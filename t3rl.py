@@ -71,8 +71,10 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
     kept = gather_kept(shard, groups, judged, accelerator)
     with clock("update"):
         machinery.engine.sleep_engines()  # vLLM on GPUs frees its memory (the next call wakes it)
-        update = grpo_step(learner.policy, learner.optimizer, learner.scheduler, kept, learner.grpo,
-                           accelerator=accelerator, ref_model=learner.ref_model)
+        update = grpo_step(machinery.fsdp.trained_module(learner.policy), learner.optimizer,
+                           learner.scheduler, kept, learner.grpo, accelerator=accelerator,
+                           ref_model=learner.ref_model)
+        machinery.fsdp.refresh(learner.policy)  # --parallel fsdp: the sampling copy's weights
     machinery.loop.log_rollouts(step, shard, groups, answers, verdicts, judged, learner.run_dir,
                                 accelerator)
     monitors = [machinery.metrics.question_monitors(*question, cfg)
@@ -87,7 +89,8 @@ class Learner:
     run."""
     cfg: Config
     accelerator: Accelerator
-    policy: torch.nn.Module          # float32 master weights, prepared by accelerate (DDP)
+    policy: torch.nn.Module          # float32 master weights, prepared by accelerate (DDP); under
+    #                                  --parallel fsdp a full copy to sample from (machinery/fsdp.py)
     tokenizer: object
     optimizer: torch.optim.Optimizer
     scheduler: object                # stepped once per optimizer step
@@ -336,10 +339,14 @@ def setup(cfg: Config, accelerator, records, batches) -> tuple[Learner, int]:
         ref_model = machinery.model.load_model(cfg.model)[0].requires_grad_(False)
         ref_model.to(accelerator.device)
     policy.train()
-    optimizer, scheduler = machinery.optim.make_optimization(policy, batches, cfg)
-    start = runs.restore_state(state, optimizer, scheduler) if state else 0
-    # the scheduler stays unprepared: accelerate would step it once per process per step
-    policy, optimizer = accelerator.prepare(policy, optimizer)
+    trained = policy
+    if cfg.parallel == "fsdp":  # the update trains the shards, the samplers read a full copy
+        trained, policy, ref_model = machinery.fsdp.shard_models(policy, ref_model, cfg,
+                                                                 accelerator.device)
+    optimizer, scheduler = machinery.optim.make_optimization(trained, batches, cfg)
+    start = runs.restore_state(state, optimizer, scheduler, trained) if state else 0
+    if cfg.parallel == "ddp":  # the scheduler stays unprepared: accelerate would step it per process
+        policy, optimizer = accelerator.prepare(policy, optimizer)
     if cfg.backend == "vllm":  # now, on every process, as build_verifier started the verifier's
         machinery.engine.engine_for(accelerator.unwrap_model(policy), tokenizer,
                                     machinery.options.sample_dtype(cfg), sleeps=True)

@@ -1,7 +1,8 @@
 #!/bin/bash
 # The GPU path in one short call, sized for at most 8 minutes on one GPU (not yet run on one): the
 # paper preset at reduced size (4 questions, 2 a step, N = 4, 256 tokens, 2 steps), both roles on
-# vLLM, stopped in its second update and resumed from its step-1 checkpoint, then both roles on kv.
+# vLLM, stopped in its second update and resumed from its step-1 checkpoint, then both roles on kv,
+# and on two GPUs or more the kv run under --parallel fsdp on two processes.
 # One line per check with its time and the GPU's peak memory (nvidia-smi, polled); exit status 1
 # when a check fails, whose log's end is printed.
 #
@@ -74,5 +75,13 @@ rm -rf "${OUT:?}/vllm"
 check kv kv "0 1 final" python t3rl.py "${SMALL[@]}" --backend kv --verifier-backend kv \
     --run-name kv
 rm -rf "${OUT:?}/kv"
+# FSDP shards over processes of a GPU each (NCCL takes one process a GPU): two GPUs or more
+if (( $(nvidia-smi -L | wc -l) >= 2 )); then
+    check fsdp fsdp "0 1 final" python -m torch.distributed.run --standalone --nproc_per_node 2 \
+        t3rl.py "${SMALL[@]}" --backend kv --verifier-backend kv --parallel fsdp --run-name fsdp
+    rm -rf "${OUT:?}/fsdp"
+else
+    echo "check fsdp: skipped (one GPU; --parallel fsdp needs two processes, each on its own GPU)"
+fi
 echo "logs in $OUT"
 exit $failed

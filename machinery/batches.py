@@ -67,8 +67,11 @@ class MicroBatch:
     sampling_logp: torch.Tensor | None = None  # [b, T] log mu, the sampler's, when it reported them
 
 
-def plan(batch: "grpo.Rollouts", advantages, s: GRPOSettings, accelerator):
-    """This process's micro-batches of each mini-batch: [[MicroBatch, ...] per optimizer step]."""
+def plan(batch: "grpo.Rollouts", advantages, s: GRPOSettings, accelerator, lockstep=False):
+    """This process's micro-batches of each mini-batch: [[MicroBatch, ...] per optimizer step].
+    lockstep: every process gets as many micro-batches in each mini-batch as the one with the most
+    (the extra ones: a rollout at weight 0), since under FSDP every forward and backward is a
+    collective; each process knows the others' counts, as it holds the whole batch."""
     rank, processes = ((accelerator.process_index, accelerator.num_processes)
                        if accelerator is not None else (0, 1))
     prompts, completions, group_size = batch.prompts, batch.completions, s.group_size
@@ -82,6 +85,11 @@ def plan(batch: "grpo.Rollouts", advantages, s: GRPOSettings, accelerator):
         # rollouts)
         return sum(batch.policy_tokens(i) for i in index) if s.agg == "token-mean" else len(index)
 
+    def cut(indices):  # indices split into micro-batches
+        lengths = [len(prompts[i]) + len(completions[i]) for i in indices]
+        return [[indices[j] for j in index]
+                for index in micro_batches(lengths, s.token_budget, s.micro_batch_rollouts)]
+
     plan = []
     for first in range(0, groups, per_step):
         rollouts = range(first * group_size, min(first + per_step, groups) * group_size)
@@ -92,10 +100,12 @@ def plan(batch: "grpo.Rollouts", advantages, s: GRPOSettings, accelerator):
         # nothing of this mini-batch here: one rollout at weight 0 keeps the all-reduce in step
         if not mine:
             mine, share = [rollouts[0]], 0.0
-        lengths = [len(prompts[i]) + len(completions[i]) for i in mine]
+        cuts = [(index, share) for index in cut(mine)]
+        if lockstep:
+            most = max(max(1, len(cut(rollouts[r::processes]))) for r in range(processes))
+            cuts += [([mine[0]], 0.0)] * (most - len(cuts))
         plan.append([])
-        for index in micro_batches(lengths, s.token_budget, s.micro_batch_rollouts):
-            index = [mine[j] for j in index]
+        for index, weight in cuts:
             masks = None if batch.tool_masks is None else [batch.tool_masks[i] for i in index]
             padded = pad_batch([prompts[i] for i in index], [completions[i] for i in index],
                                advantages.device, masks)
@@ -106,6 +116,6 @@ def plan(batch: "grpo.Rollouts", advantages, s: GRPOSettings, accelerator):
                                     dtype=torch.float32)
                 sampled = torch.zeros(padded[2].shape).masked_scatter(
                     padded[2].cpu(), flat).to(advantages.device)
-            plan[-1].append(MicroBatch(*padded, advantages[index], weight=size(index) * share,
+            plan[-1].append(MicroBatch(*padded, advantages[index], weight=size(index) * weight,
                                        sampling_logp=sampled))
     return plan

@@ -71,7 +71,12 @@ def check_gpu_memory(cfg: Config, policy, accelerator):
     if not engines or not options.has_gpu():
         return
     # float32 weights, gradients and AdamW's two moments (16 bytes), and the float32 reference model
-    trainer = sum(p.numel() for p in policy.parameters()) * (16 + 4 * (cfg.kl_coef > 0))
+    parameters = sum(p.numel() for p in policy.parameters())
+    trainer = parameters * (16 + 4 * (cfg.kl_coef > 0))
+    if cfg.parallel == "fsdp":  # those sharded, beside the kv or hf sampler's full copy (fsdp.py)
+        copy_bytes = (cfg.backend != "vllm") * options.sampler_options(cfg).get(
+            "dtype", torch.float32).itemsize
+        trainer = trainer // accelerator.num_processes + parameters * copy_bytes
     total = torch.cuda.get_device_properties(accelerator.device).total_memory
     line, fits = check_memory(total, trainer, engines)
     if not fits:

@@ -7,6 +7,7 @@ anything loads.
 """
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import dataclass, field, fields
@@ -119,6 +120,8 @@ def new_config(given: dict) -> Config:
         # --n-votes it samples
         cfg.verify_budget, cfg.lazy_verify = 0, False
         cfg.n_train = min(cfg.n_train, given.get("n_votes", cfg.n_votes))
+    if accelerate_asks_fsdp() and "parallel" not in given:
+        cfg.parallel = "fsdp"
     for key, value in given.items():
         setattr(cfg, key, value)
     cfg.preset = preset
@@ -211,6 +214,7 @@ def check_config(cfg: Config, source: str = ""):
         if cfg.eval_cache not in ("auto", "none") and cache.exists() and not cache.is_dir():
             raise OptionError(f"--eval-cache {cfg.eval_cache}: a file, not a folder; pass a folder "
                               f"(it is created), auto or none")
+        check_parallel(cfg)
         if cfg.n_train > cfg.n_votes:
             raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes "
                               f"({cfg.n_votes}); M rollouts are kept out of the N sampled")
@@ -226,6 +230,25 @@ def check_config(cfg: Config, source: str = ""):
     check_spec(cfg.model, "--model")
     if cfg.verify and cfg.verifier_model != "self":
         check_spec(cfg.verifier_model, "--verifier-model")
+
+
+def accelerate_asks_fsdp() -> bool:
+    """Whether accelerate's config asks for FSDP (accelerate launch passes it on in the
+    environment)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
+
+
+def check_parallel(cfg: Config):
+    """--parallel against the launch: FSDP shards over several processes, and an accelerate config
+    asking for FSDP gets it (t3rl shards the policy itself: machinery/fsdp.py)."""
+    if accelerate_asks_fsdp() and cfg.parallel != "fsdp":
+        raise OptionError(f"--parallel {cfg.parallel}: accelerate's config asks for FSDP "
+                          f"(ACCELERATE_USE_FSDP); pass --parallel fsdp, or launch with a config "
+                          f"without FSDP")
+    if cfg.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        raise OptionError("--parallel fsdp: shards the policy over processes, and this is one; "
+                          "launch several (torchrun --nproc_per_node N, accelerate launch) or "
+                          "pass --parallel ddp")
 
 
 def free_run_name(cfg: Config) -> str:

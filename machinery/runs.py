@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from machinery import fsdp
 from machinery.files import drop_torn_tail, keep_jsonl, read_jsonl_rows, write_atomically
 from machinery.update import bf16_supported
 
@@ -80,14 +81,18 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     """checkpoint/ = model and tokenizer (save_pretrained, a loadable --model folder) + optimizer,
     scheduler, RNG states and step. Written as checkpoint.tmp/, then swapped in; the one it replaces
     stays as checkpoint.old/, the fallback if the new one is ever found damaged. The other processes
-    wait for it under PROCESS_GROUP_TIMEOUT."""
+    wait for it under PROCESS_GROUP_TIMEOUT. Under --parallel fsdp every process first takes part
+    in gathering the full weights and optimizer state, so the folder is the one DDP writes."""
+    trained = fsdp.trained_module(policy)
+    weights, optimizer_state = (fsdp.full_state(trained, optimizer) if fsdp.is_sharded(trained)
+                                else (None, optimizer.state_dict()))
     if accelerator.is_main_process:
         tmp, final, old = (run_dir / "checkpoint.tmp", run_dir / "checkpoint",
                            run_dir / "checkpoint.old")
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(policy).save_pretrained(tmp / "model")
+        accelerator.unwrap_model(trained).save_pretrained(tmp / "model", state_dict=weights)
         tokenizer.save_pretrained(tmp / "model")
-        torch.save({"step": step, "optimizer": optimizer.state_dict(),
+        torch.save({"step": step, "optimizer": optimizer_state,
                     "scheduler": scheduler.state_dict(),
                     "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}},
                    tmp / "state.pt")
@@ -145,9 +150,14 @@ def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
     return None, None
 
 
-def restore_state(state: dict, optimizer, scheduler) -> int:
-    """Optimizer, schedule and RNG states from a checkpoint's state.pt; returns the steps done."""
-    optimizer.load_state_dict(state["optimizer"])
+def restore_state(state: dict, optimizer, scheduler, model) -> int:
+    """Optimizer, schedule and RNG states from a checkpoint's state.pt; returns the steps done.
+    model: the module the optimizer trains (under --parallel fsdp its state goes onto the
+    shards)."""
+    if fsdp.is_sharded(model):
+        fsdp.restore_optimizer(model, optimizer, state["optimizer"])
+    else:
+        optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])

@@ -1,6 +1,11 @@
 """grpo.grpo_step's bookkeeping: its arguments checked at the boundary, the step's statistics summed
-over processes, and whether the hardware runs bfloat16 natively."""
+over processes, whether the hardware runs bfloat16 natively, and the gradient's accumulation and
+clipping under DDP, FSDP (machinery/fsdp.py) or one process."""
+from contextlib import nullcontext
+
 import torch
+
+from machinery.fsdp import clip_gradients as clip_sharded, is_sharded
 
 
 def bf16_supported(device: torch.device) -> bool:
@@ -58,3 +63,25 @@ def step_statistics(totals: dict, steps: int, accelerator) -> dict:
     metrics.update(clip_frac=metrics["clip_low"] + metrics["clip_high"],
                    optimizer_steps=float(steps))
     return metrics
+
+
+def no_sync(model, accelerator):
+    """The context of a micro-batch before a mini-batch's last: DDP's no_sync (its all-reduce waits
+    for the last). FSDP reduce-scatters every micro-batch's gradient into the shards instead, as
+    holding them unsharded until the last would take the full gradients' memory."""
+    if is_sharded(model):
+        return nullcontext()
+    if accelerator is not None:
+        return accelerator.no_sync(model)
+    return getattr(model, "no_sync", nullcontext)()
+
+
+def clip_gradients(model, max_norm: float, accelerator) -> torch.Tensor:
+    """Clip the gradient to a total norm of max_norm; returns the norm before clipping (the whole
+    model's, the same under DDP, FSDP and one process)."""
+    if is_sharded(model):
+        return clip_sharded(model, max_norm)
+    params = [p for p in model.parameters() if p.requires_grad]
+    clip = (accelerator.clip_grad_norm_ if accelerator is not None
+            else torch.nn.utils.clip_grad_norm_)
+    return clip(params, max_norm)

@@ -1,0 +1,138 @@
+"""--parallel fsdp: the policy sharded over the processes with torch's FSDP2 (fully_shard), beside
+DDP's replicas; what the loop touches made to work with it.
+
+    trained, policy, ref = shard_models(policy, ref, cfg, device)  # setup(), before the optimizer
+    grpo_step(trained_module(policy), ...)                         # the update trains the shards
+    refresh(policy)                                                # after it, on every process
+
+- Sharding: each decoder layer is a unit (its parameters all-gathered for its forward and its
+  backward, its gradients reduce-scattered), then the root (embedding, final norm, head, so the tied
+  embedding and head are one parameter in one unit), which stays gathered between its forward and
+  backward: logprobs.token_logprobs applies the head's weight after the model's forward returns.
+  Parameters stay float32 and are gathered in float32 (no MixedPrecisionPolicy): the update's
+  bfloat16 autocast casts them per use, as under DDP. Gradients are averaged over processes, as
+  DDP's all-reduce averages them, so batches.plan's weights are unchanged.
+- Sampling: each process samples its own questions for its own number of tokens, so it cannot run
+  through the sharded module (its per-layer all-gathers would wait on each other). A plain full copy
+  of the policy, in the sampling dtype, is what `policy` (Learner.policy) is: the samplers, the
+  evaluation and the vLLM engine's weight sync read it like a DDP replica. refresh() gathers it
+  parameter by parameter after every update, where every process is.
+- Checkpoints: the full weights and the full optimizer state, gathered to the main process, written
+  as under DDP (runs.save_checkpoint: the model folder is a --model folder); restored by loading
+  the weights before sharding and scattering the optimizer state (restore_optimizer).
+Design and memory figures: docs/distributed.md#fsdp.
+"""
+import copy
+import weakref
+
+import torch
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from config import OptionError
+
+# the sampling copy -> the sharded module the update trains
+_TRAINED = weakref.WeakKeyDictionary()
+
+
+def shard_models(policy, ref_model, cfg, device):
+    """(sharded policy, its sampling copy, reference model) for --parallel fsdp; the policy is
+    sharded in place. The copy holds the parameters in the dtype the samplers compute in (--backend
+    hf: the policy's own, float32). The reference model (--kl-coef) has its decoder layers sharded
+    and its embedding and head whole: it never takes a backward, in which a sharded root would
+    reshard. Under --backend vllm the copy stays in CPU memory: the engine holds the weights it
+    samples with, and loads them from the copy after each update."""
+    # the config names a dtype (options.new_config fixes "auto" when the run starts)
+    dtype = torch.float32 if cfg.backend == "hf" else getattr(torch, cfg.sample_dtype)
+    home = torch.device("cpu") if cfg.backend == "vllm" else device
+    full = copy.deepcopy(policy).requires_grad_(False)
+    for p in full.parameters():  # not .to(dtype): that would cast the rotary buffers too
+        p.data = p.data.to(device=home, dtype=dtype)
+    full.to(home)
+    mesh = _mesh(device)
+    policy.to(device)
+    _shard_layers(policy, mesh)
+    # the root stays gathered from its forward to its backward: the head's weight is read after
+    # the forward returns (logprobs.token_logprobs)
+    fully_shard(policy, mesh=mesh, reshard_after_forward=False)
+    if ref_model is not None:
+        _shard_layers(ref_model.to(device), mesh)
+    _TRAINED[full] = policy
+    return policy, full, ref_model
+
+
+def _mesh(device):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def _shard_layers(model, mesh):
+    # resharded after each forward, also where a layer is its own root (the reference model's), for
+    # which FSDP's default keeps it gathered
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, reshard_after_forward=True)
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's decoder layers (transformers' layout: model.model.layers)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        raise OptionError(f"--parallel fsdp: {type(model).__name__} has no model.layers to shard "
+                         f"layer by layer; pass --parallel ddp")
+    return list(layers)
+
+
+def trained_module(policy):
+    """The module the update trains: under --parallel fsdp the sharded twin of the sampling copy,
+    else the policy itself."""
+    return _TRAINED.get(policy, policy)
+
+
+def is_sharded(module) -> bool:
+    """Whether the module is an FSDP unit (what grpo_step trains under --parallel fsdp)."""
+    return isinstance(module, FSDPModule)
+
+
+@torch.no_grad()
+def refresh(policy):
+    """Under --parallel fsdp, the sampling copy gets the trained weights: one all-gather per
+    parameter, on every process (a no-op under DDP)."""
+    sharded = _TRAINED.get(policy)
+    if sharded is None:
+        return
+    for target, source in zip(policy.parameters(), sharded.parameters(), strict=True):
+        target.copy_(source.full_tensor())
+
+
+def clip_gradients(model, max_norm: float) -> torch.Tensor:
+    """Clip the sharded (DTensor) gradients to a total norm of max_norm; returns that norm before
+    clipping, over the whole model (the same number DDP's clip reports), as a plain tensor."""
+    from torch.distributed.tensor import DTensor
+    params = [p for p in model.parameters() if p.requires_grad]
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0)
+    if isinstance(norm, DTensor):  # a partial sum of the shards' squares until reduced
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
+
+
+def full_state(model, optimizer) -> tuple[dict, dict]:
+    """(weights, optimizer state) in full, on the main process (empty elsewhere), in CPU memory;
+    every process takes part."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    # a tied head comes back as a copy of the embedding, which save_pretrained would write twice
+    tied = ({name for name, _ in model.named_parameters(remove_duplicate=False)}
+            - {name for name, _ in model.named_parameters()})
+    return ({name: w for name, w in weights.items() if name not in tied},
+            get_optimizer_state_dict(model, optimizer, options=options))
+
+
+def restore_optimizer(model, optimizer, state: dict):
+    """The full optimizer state of a checkpoint (full_state's) scattered onto the shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    set_optimizer_state_dict(model, optimizer, state,
+                             options=StateDictOptions(full_state_dict=True))
