@@ -48,9 +48,9 @@ def verify_pool():
         yield p
 
 
-def verify_one(completion, answer, pool):
+def verify_one(completion, answer, pool, **options):
     verifier = ScriptedVerifier(completion)
-    return verify_batch([PROBLEM], [ROLLOUT], [answer], verifier, MATH, pool)[0]
+    return verify_batch([PROBLEM], [ROLLOUT], [answer], verifier, MATH, pool, **options)[0]
 
 
 def test_computed_right_answer_is_verified(verify_pool):
@@ -109,17 +109,17 @@ def test_completion_without_code_is_no_code(verify_pool):
 
 
 def test_crashing_program_is_exec_error(verify_pool):
-    r = verify_one(block("print(55 / 0)"), "55", verify_pool)
+    r = verify_one(block("print(55 / 0)"), "55", verify_pool, repair=False)
     assert (r.v, r.status) == (0, "exec_error")
 
 
 def test_syntax_error_is_exec_error(verify_pool):
-    r = verify_one(block("print(sum(range(1, 11))"), "55", verify_pool)
+    r = verify_one(block("print(sum(range(1, 11))"), "55", verify_pool, repair=False)
     assert (r.v, r.status) == (0, "exec_error")
 
 
 def test_hanging_program_is_timeout(verify_pool):
-    r = verify_one(block("while True:\n    pass"), "55", verify_pool)
+    r = verify_one(block("while True:\n    pass"), "55", verify_pool, repair=False)
     assert (r.v, r.status) == (0, "timeout")
 
 
@@ -174,7 +174,8 @@ def test_budget_shares_the_majority_outcome_of_the_class(verify_pool):
     answers = ["55"] * 5
     verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"), block("print(54 + len('x'))"),
                                 block("print(1 / 0)"))
-    results = verify_batch([PROBLEM] * 5, [ROLLOUT] * 5, answers, verifier, MATH, verify_pool, budget=3)
+    results = verify_batch([PROBLEM] * 5, [ROLLOUT] * 5, answers, verifier, MATH, verify_pool, budget=3,
+                           repair=False)
     assert [r.v for r in results] == [1, 1, 0, 1, 1]
     assert [r.status for r in results[3:]] == ["verified", "verified"]
 
