@@ -100,7 +100,7 @@ class Config:
                                "the pseudo-label: the labels and rewards of verifying all, at "
                                "fewer verifier prompts (one or two calls a step); at omega 1 no "
                                "verdict can, so every rollout is verified for the monitors")
-    verifier_programs: int = option(1, "programs the verifier writes per rollout sent, each "
+    verifier_programs: int = option(3, "programs the verifier writes per rollout sent, each "
                                     "with its own seed", AT_LEAST_ONE)
     verifier_agreement: str = option("any", "v_i from a rollout's programs: any = 1 when one "
                                      "reproduces a_i | share = the share that do (vote weight "

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 
 def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *, budget=0,
-                 omega=None, groups=None, seeds=None, programs=1, agreement="any", repair=True,
+                 omega=None, groups=None, seeds=None, programs=3, agreement="any", repair=True,
                  memory=None):
     """Tool-verify each rollout: one Verification per rollout, in order.
 
@@ -110,7 +110,7 @@ STATUSES_VERIFY = ("verified", "repaired", "mismatch", "no_answer", "no_code", "
                    "timeout", "hardcoded", "skipped")
 
 
-def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox, seeds, *, programs=1,
+def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox, seeds, *, programs=3,
                     agreement="any", repair=True):
     """The verifier's programs for these rollouts (every answer given), in one verifier and one tool
     call, k = programs per rollout; with repair one more of each for the programs that failed. A

@@ -9,12 +9,14 @@ log's completions again without sampling; --demo shows one verification step by 
 verifies each training step's saved rollouts of a run twice with its verifier, every rollout (as
 --verify-budget says) and lazily (--lazy-verify: only what can change the vote), and prints seconds,
 prompts, tokens and whether the labels agree. --solutions measures verify_batch's options on
-human-written MATH solutions: the right trace and the same trace with its last box changed.
+human-written MATH solutions: the right trace and the same trace with its last box changed;
+--memory ON OFF compares two runs with and without the verdict memory.
 
     python -m bench.verifier --measure [--bench knk] [--problems 60]
                              [--verifiers coder-0.5b coder-1.5b]
     python -m bench.verifier --solutions 8 --verifiers coder-1.5b --max-new-tokens 1024
                              [--programs 3] [--agreement share] [--no-repair]
+    python -m bench.verifier --memory runs/mem-on runs/mem-off
     python -m bench.verifier --demo
     python -m bench.verifier --steps runs/RUN
 """
@@ -164,8 +166,9 @@ def measure_solutions(per_level, max_new_tokens, seed, name, options, log_path):
     failed = sum(scores["status"]["correct"][s] for s in ("exec_error", "timeout"))
     print(f"{name}, {max_new_tokens} verifier tokens, seed {seed}, options {options}: "
           f"{len(results)} traces ({right} right, {right} with a changed box), levels 1-5")
-    by_level = {lv: sum(r.v for r, k, x in zip(results, kinds, levels) if k == "correct" and x == lv)
-                / sum(k == "correct" and x == lv for k, x in zip(kinds, levels)) for lv in range(1, 6)}
+    right_at = {lv: [r.v for r, k, x in zip(results, kinds, levels) if k == "correct" and x == lv]
+                for lv in range(1, 6)}
+    by_level = {lv: sum(v) / len(v) for lv, v in right_at.items()}
     print_measure([(name, scores, by_level, sum(r.tokens or 0 for r in results) / len(results),
                     wall / len(results))])
     print(f"accuracy {(scores['recall'] + 1 - scores['false_verify']) / 2:.1%}  recall "
@@ -357,6 +360,42 @@ def replay_steps(run_dir, seed):
           f"ratio {totals[1] / totals[0]:.2f}")
 
 
+def memory_effect(run_with, run_without):
+    """--memory ON OFF: two runs of the same settings over the same questions, with and without
+    --verdict-memory: per step its episode, verifier tokens and programs written in both, the
+    verdicts the memory reused and how many questions got the same label as verifying afresh."""
+    runs = [(json.load(open(os.path.join(run, "config.json"))),
+             {row["step"]: row for row in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+              if row.get("kind") == "train"},
+             {(row["step"], row["id"]): row["label"]
+              for row in map(json.loads, open(os.path.join(run, "rollouts.jsonl")))})
+            for run in (run_with, run_without)]
+    if not runs[0][0]["verdict_memory"] or runs[1][0]["verdict_memory"]:
+        raise SystemExit(f"--memory {run_with} {run_without}: pass the run with --verdict-memory "
+                         f"first and the one without it second")
+    seen, episodes = {}, {}
+    for step, qid in sorted(runs[0][2]):
+        episodes[step] = seen.get(qid, 0) if step not in episodes else episodes[step]
+        seen[qid] = seen.get(qid, 0) + 1
+    print(f"{'step':>4}{'episode':>8}{'tokens on/off':>15}{'programs on/off':>17}{'reused':>8}"
+          f"{'labels same':>13}")
+    totals = {}
+    for step in sorted(runs[0][1]):
+        on, off = runs[0][1][step], runs[1][1].get(step, {})
+        labels = [runs[0][2][key] == runs[1][2].get(key) for key in runs[0][2] if key[0] == step]
+        print(f"{step:>4}{episodes[step] + 1:>8}"
+              f"{on['verifier_tokens']:>8}/{off.get('verifier_tokens'):<6}"
+              f"{on['programs_written']:>10}/{off.get('programs_written'):<6}"
+              f"{on['verdicts_reused']:>8}{sum(labels):>8}/{len(labels):<4}")
+        total = totals.setdefault(episodes[step] + 1, [0, 0, 0, 0, 0])
+        for k, x in enumerate((on["verifier_tokens"], off.get("verifier_tokens", 0), 1,
+                               sum(labels), len(labels))):
+            total[k] += x
+    for episode, (on, off, steps, same, questions) in sorted(totals.items()):
+        print(f"episode {episode}: verifier tokens per step {on / steps:.0f} with the memory, "
+              f"{off / steps:.0f} without; labels the same on {same} of {questions} questions")
+
+
 def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written=None):
     """One verification of a step's rollouts (lazily at omega, or every one with None): seconds, the
     prompts of each verifier call, verifier tokens and the step's labels. written: gets each
@@ -371,7 +410,9 @@ def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written
         return completions
     start = time.perf_counter()
     results = verify_batch(problems, texts, answers, counting, domain, budget=cfg["verify_budget"],
-                           omega=omega)
+                           omega=omega, programs=cfg.get("verifier_programs", 1),
+                           agreement=cfg.get("verifier_agreement", "any"),
+                           repair=cfg.get("verifier_repair", False))
     n = cfg["n_votes"]
     labels = [weighted_vote(answers[i:i + n], [r.v for r in results[i:i + n]], cfg["omega"],
                             **domain.classes).label
@@ -403,6 +444,9 @@ def main():
                         help="--solutions: the repair turn for failed programs")
     parser.add_argument("--log", default="runs/verifier-solutions.jsonl",
                         help="--solutions: where every verdict and program goes")
+    parser.add_argument("--memory", nargs=2, metavar=("ON", "OFF"),
+                        help="compare two runs over the same questions, with --verdict-memory "
+                        "and without: verifier tokens per step and labels")
     parser.add_argument("--verifiers", nargs="+", default=list(MEASURED),
                         help=f"verifier models, any --model value (default: {' '.join(MEASURED)})")
     parser.add_argument("--problems", type=int, default=60,
@@ -427,6 +471,8 @@ def main():
         measure_solutions(args.solutions, args.max_new_tokens, args.seed, args.verifiers[0],
                           dict(programs=args.programs, agreement=args.agreement,
                                repair=args.repair), args.log)
+    elif args.memory:
+        memory_effect(*args.memory)
     elif args.demo:
         demo(args.verifiers[0], args.max_new_tokens, args.seed)
     elif args.steps:

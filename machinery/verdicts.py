@@ -157,10 +157,10 @@ class VerdictMemory:
 
 
 def memory_of(learner, start_step: int, domain):
-    """The run's VerdictMemory (None without --verdict-memory or --verify), on the run's domain, made
-    on the first step a process runs: from the run folder's verdicts.jsonl, its rows before that step (the main
-    process drops the later ones: a resumed run goes on from its checkpoint, as one that never
-    stopped)."""
+    """The run's VerdictMemory (None without --verdict-memory or --verify), on the run's domain,
+    made on the first step a process runs: from the run folder's verdicts.jsonl, its rows before
+    that step (the main process drops the later ones: a resumed run goes on from its checkpoint, as
+    one that never stopped)."""
     cfg = learner.cfg
     if not (cfg.verdict_memory and cfg.verify):
         return None

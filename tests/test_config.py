@@ -184,7 +184,7 @@ BAD_INPUTS = [
     ("verifier-top-p", lambda c: argv_for(c, verifier_top_p=0), r"--verifier-top-p 0.0: must be in \(0, 1\]"),
     ("verify-budget", lambda c: argv_for(c, verify_budget=-1), r"--verify-budget -1: must be in \[0, inf\)"),
     ("verifier-programs", lambda c: argv_for(c, verifier_programs=0), r"--verifier-programs 0: must be in \[1, inf\)"),
-    ("share of one program", lambda c: argv_for(c, verifier_agreement="share"),
+    ("share of one program", lambda c: argv_for(c, verifier_agreement="share", verifier_programs=1),
      r"--verifier-agreement share with --verifier-programs 1: the share of one program is its verdict; pass"),
     ("eval-samples", lambda c: argv_for(c, eval_samples=-1), r"--eval-samples -1: must be in \[0, inf\)"),
     ("episodes", lambda c: argv_for(c, episodes=0), r"--episodes 0: must be in \[1, inf\)"),

@@ -32,7 +32,7 @@ def test_failed_programs_get_one_repair_call_that_shows_their_error(pool):
     prompts, each with its program's error, and the verdicts say they were repaired."""
     verifier = ScriptedVerifier(block(RAISES), block("x = 55"), block(RIGHT), block(WRONG))
     results = verify_batch([PROBLEM] * 2, [ROLLOUT] * 2, ["55", "55"], verifier, MATH, pool,
-                           repair=True)
+                           repair=True, programs=1)
     assert [len(batch) for batch in verifier.batches] == [2, 2]
     first, second = verifier.batches[1]
     assert "ZeroDivisionError" in first.user and "55 / 0" in first.user
@@ -43,20 +43,23 @@ def test_failed_programs_get_one_repair_call_that_shows_their_error(pool):
 
 def test_without_repair_a_raising_program_is_an_exec_error_and_one_call(pool):
     verifier = ScriptedVerifier(block(RAISES))
-    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, repair=False)[0]
+    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, repair=False,
+                          programs=1)[0]
     assert (result.v, result.status, result.repaired_from) == (0, "exec_error", None)
     assert len(verifier.batches) == 1
 
 
 def test_the_hardcoding_guard_judges_a_repaired_program(pool):
     verifier = ScriptedVerifier(block(RAISES), block("print(55)"))
-    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, repair=True)[0]
+    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, repair=True,
+                          programs=1)[0]
     assert (result.v, result.status, result.repaired_from) == (0, "hardcoded", "exec_error")
 
 
 def test_a_mismatch_that_printed_a_value_is_not_repaired(pool):
     verifier = ScriptedVerifier(block(WRONG))
-    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, repair=True)[0]
+    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, repair=True,
+                          programs=1)[0]
     assert (result.status, len(verifier.batches)) == ("mismatch", 1)
 
 
@@ -95,7 +98,7 @@ def step(mem, answers, completions, pool, number, **options):
     verifier = ScriptedVerifier(*completions)
     n = len(answers)
     results = verify_batch([PROBLEM] * n, [ROLLOUT] * n, answers, verifier, MATH, pool,
-                           groups=["q0"] * n, memory=mem, repair=False, **options)
+                           groups=["q0"] * n, memory=mem, repair=False, programs=1, **options)
     mem.learn(mem.lessons(number, ["q0"] * n, answers, results))
     return results, verifier
 
@@ -146,6 +149,15 @@ def test_a_resumed_run_remembers_the_steps_before_its_checkpoint_only(tmp_path):
 def test_programs_written_counts_repairs_and_no_inherited_verdict(pool):
     verifier = ScriptedVerifier(block(RAISES), block(RIGHT), block(RIGHT), block(RIGHT))
     results = verify_batch([PROBLEM] * 3, [ROLLOUT] * 3, ["55"] * 3, verifier, MATH, pool,
-                           repair=True, budget=1)
+                           repair=True, budget=1, programs=1)
     assert [verdicts.programs_written(r) for r in results] == [2, 0, 0]
     assert results[1].inferred and results[0].status == "repaired"
+
+
+def test_verify_batch_defaults_are_what_a_training_step_runs():
+    """bench/ and other callers of verify_batch get the verifier of the loop's defaults."""
+    import inspect
+    defaults = {k: p.default for k, p in inspect.signature(verify_batch).parameters.items()}
+    cfg = Config()
+    assert (defaults["programs"], defaults["agreement"], defaults["repair"]) == (
+        cfg.verifier_programs, cfg.verifier_agreement, cfg.verifier_repair)
