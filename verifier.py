@@ -9,9 +9,10 @@ forbids copying the candidate in), the sandbox runs it, and
     v_i = 1[ the program ran cleanly  and  t_i ~ a_i  and  it did not hard-code a_i ]
 
 ~ is the domain's agreement test (math: machinery/python_tool.py's tool_agrees, is_equiv on t_i as
-printed and as sympy's LaTeX of it); hard-coding is decided on the program's AST (guard.py).
-Every rollout gets a status:
-    verified    v_i = 1                          no_answer   a_i is None: no verifier call spent
+printed and as sympy's LaTeX of it); hard-coding is decided on the program's AST (guard.py). With
+k programs per rollout, v_i = 1 when any reproduces a_i (or the share that do); a failed program
+gets one repair turn (machinery/verdicts.py). Every rollout gets a status:
+    verified    v_i = 1 (repaired: after repair)  no_answer   a_i is None: no verifier call spent
     mismatch    ran, printed something else      no_code     the completion holds no code block
     exec_error  raised, or hit a sandbox limit   timeout     ran past the sandbox's time limit
     hardcoded   the printed value is a_i copied  skipped     no verdict of it could change the
@@ -21,8 +22,7 @@ verify_batch verifies a whole step at once: one call of `verifier` (list of Veri
 of VerifierReply; model_verifier wraps a model in one batched sampler.generate call) and one call of
 the domain's tool (math: one sandbox run_many of the programs); with a budget or lazily,
 machinery/lazy_verify.py says which rollouts go into each call. A domain (machinery/domains.py)
-brings the prompts, the tool and the agreement test. Details: docs/verifier.md;
-`python -m bench.verifier --measure` scores the verifiers.
+brings the prompts, the tool and the agreement test. Details and measurements: docs/verifier.md.
 """
 import hashlib
 import re

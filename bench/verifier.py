@@ -253,7 +253,9 @@ def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500",
         verifier, seconds = logged_verifier(rescore, name) if rescore else (
             offline_verifier(name, max_new_tokens, seed), None)
         start = time.perf_counter()
-        results = verify_batch(problems, rollouts, answers, verifier, domain_of(bench))
+        # a log holds one completion per rollout: rescoring replays it as one program, unrepaired
+        results = verify_batch(problems, rollouts, answers, verifier, domain_of(bench),
+                               **(dict(programs=1, repair=False) if rescore else {}))
         wall = time.perf_counter() - start
         del verifier
         by_level = {level: sum(r.v for r, k, lv in zip(results, kinds, levels)
