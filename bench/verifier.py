@@ -382,15 +382,15 @@ def memory_effect(run_with, run_without):
     print(f"{'step':>4}{'episode':>8}{'tokens on/off':>15}{'programs on/off':>17}{'reused':>8}"
           f"{'labels same':>13}")
     totals = {}
-    for step in sorted(runs[0][1]):
-        on, off = runs[0][1][step], runs[1][1].get(step, {})
+    for step in sorted(set(runs[0][1]) & set(runs[1][1])):
+        on, off = runs[0][1][step], runs[1][1][step]
         labels = [runs[0][2][key] == runs[1][2].get(key) for key in runs[0][2] if key[0] == step]
         print(f"{step:>4}{episodes[step] + 1:>8}"
-              f"{on['verifier_tokens']:>8}/{off.get('verifier_tokens'):<6}"
-              f"{on['programs_written']:>10}/{off.get('programs_written'):<6}"
+              f"{on['verifier_tokens']:>8}/{off['verifier_tokens']:<6}"
+              f"{on['programs_written']:>10}/{off['programs_written']:<6}"
               f"{on['verdicts_reused']:>8}{sum(labels):>8}/{len(labels):<4}")
         total = totals.setdefault(episodes[step] + 1, [0, 0, 0, 0, 0])
-        for k, x in enumerate((on["verifier_tokens"], off.get("verifier_tokens", 0), 1,
+        for k, x in enumerate((on["verifier_tokens"], off["verifier_tokens"], 1,
                                sum(labels), len(labels))):
             total[k] += x
     for episode, (on, off, steps, same, questions) in sorted(totals.items()):

@@ -19,7 +19,8 @@ from helpers import QUESTIONS, rows, tiny_argv, write_bench
 def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, patched, capsys):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lazy_verify=False)))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lazy_verify=False,
+                                            verifier_programs=1)))
     capsys.readouterr()
     monkeypatch.setattr(machinery.model, "load_model", lambda *a, **k: pytest.fail("replay loaded a model"))
     tables = []
@@ -55,7 +56,7 @@ def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny
     monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)  # as many skipped verdicts as laziness makes
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2,
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2, verifier_programs=1,
                                                                    top_p=0.95)))  # draws that leave verdicts to skip
     assert "skipped" in {r["status"] for r in rows(run, "rollouts.jsonl")}
     assert [line.split()[1] for line in study.replay(run, [1.0, 5.0]).splitlines()[2:]] == ["1", "5"]
