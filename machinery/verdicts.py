@@ -1,5 +1,5 @@
-"""The verifier's programs beyond the paper's one per rollout (docs/verifier.md#repair-memory-and-
-several-programs), beside verifier.verify_rollouts, which calls them:
+"""The verifier beyond the paper's one program per rollout, beside verifier.verify_rollouts, which
+calls it (docs/verifier.md#several-programs-repair-and-the-verdict-memory):
 
     program_seed    k programs per rollout (--verifier-programs), each sampled with its own seed
     repair_prompt   a program that raised, ran too long or printed nothing gets one more turn that
@@ -23,8 +23,8 @@ REPAIR_LINES, REPAIR_CHARS = 8, 800
 
 
 def program_seed(seed, j: int):
-    """The seed of a rollout's j-th program: the rollout's own for the first, so that one program a
-    rollout writes what it always wrote."""
+    """The seed of a rollout's j-th program: the rollout's own for the first (so one program per
+    rollout is sampled as the paper's single one), a hash of it and j for the others."""
     if j == 0:
         return seed
     return int.from_bytes(hashlib.blake2b(f"{seed}|program {j}".encode(), digest_size=7).digest(),
@@ -65,12 +65,9 @@ def combine(runs, agreement: str, seconds: float):
     ("any") or the share that did ("share"); the first reproducing program (else the first) speaks
     for it, the tokens are all of theirs."""
     reproduced = [run for run in runs if run.status in REPRODUCED]
-    if agreement not in ("any", "share"):
-        raise ValueError(f"agreement={agreement!r}: pass 'any' or 'share'")
-    v = int(bool(reproduced)) if agreement == "any" else len(reproduced) / len(runs)
     tokens = [run.tokens for run in runs]
     return dataclasses.replace(
-        (reproduced or runs)[0], v=v, seconds=seconds,
+        (reproduced or runs)[0], v=agreed([run.status for run in runs], agreement), seconds=seconds,
         tokens=None if None in tokens else sum(tokens),
         tool_seconds=sum(run.tool_seconds for run in runs),
         programs=[{"status": run.status, "v": run.v, "repaired_from": run.repaired_from,
@@ -87,17 +84,24 @@ def programs_written(result) -> int:
     return sum(1 + (p["repaired_from"] is not None) for p in programs)
 
 
+def agreed(statuses, agreement: str):
+    """v from a rollout's programs' statuses: 1 when any reproduced a_i ("any"), or the share that
+    did ("share")."""
+    reproduced = [status in REPRODUCED for status in statuses]
+    if agreement not in ("any", "share"):
+        raise ValueError(f"agreement={agreement!r}: pass 'any' or 'share'")
+    return int(any(reproduced)) if agreement == "any" else sum(reproduced) / len(reproduced)
+
+
 def agreement_v(row, agreement: str):
     """A logged rollout's v under another agreement rule, from its programs (rollouts.jsonl)."""
-    if not row.get("programs"):
-        return row["v"]
-    shares = [p["status"] in REPRODUCED for p in row["programs"]]
-    return int(any(shares)) if agreement == "any" else sum(shares) / len(shares)
+    return agreed([p["status"] for p in row["programs"]], agreement) if row.get("programs") \
+        else row["v"]
 
 
 class VerdictMemory:
     """The verdicts of a run's answer classes, per question id: a reproduced class's verdict, or a
-    failed class's count of failed attempts. recall fills a batch's remembered verdicts in; lessons
+    failed class's count of failed attempts. recall names a batch's remembered verdicts; lessons
     are what a step taught it (one row per question and class judged), learn takes them."""
 
     def __init__(self, domain, attempts: int, path=None):
