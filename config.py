@@ -17,6 +17,7 @@ BENCHES = ("math500", "aime2024", "amc", "demo", "knk")
 ANSWER_RULES = ("strict", "last-number")
 BACKENDS = ("kv", "hf", "vllm")
 PARALLEL_MODES = ("ddp", "fsdp")
+AGREEMENTS = ("any", "share")
 AGGREGATIONS = ("token-mean", "micro-token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -100,6 +101,19 @@ class Config:
                                "the pseudo-label: the labels and rewards of verifying all, at "
                                "fewer verifier prompts (one or two calls a step); at omega 1 no "
                                "verdict can, so every rollout is verified for the monitors")
+    verifier_programs: int = option(3, "programs the verifier writes per rollout sent, each "
+                                    "with its own seed", AT_LEAST_ONE)
+    verifier_agreement: str = option("any", "v_i from a rollout's programs: any = 1 when one "
+                                     "reproduces a_i | share = the share that do (vote weight "
+                                     "1 + (omega - 1) * share)", AGREEMENTS)
+    verifier_repair: bool = option(True, "a program that raises, hits a sandbox limit or prints "
+                                   "nothing gets one more verifier turn showing it its error")
+    verdict_memory: bool = option(True, "an answer class a program reproduced keeps its verdict "
+                                  "in later steps and episodes without a verifier call "
+                                  "(verdicts.jsonl in the run folder)")
+    verdict_attempts: int = option(2, "with --verdict-memory: rollouts of an answer class whose "
+                                   "programs failed that are verified, over the run, before it "
+                                   "stays unverified without a call", AT_LEAST_ONE)
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)",
                                          NON_NEGATIVE)

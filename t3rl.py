@@ -58,7 +58,7 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
         answers = read_answers(shard, groups, dom)  # what the policy stated, not a tool's output
     with clock("verify"):  # 2. v_i = 1 when the verifier's program, run in the sandbox, gives a_i
         verdicts = verify_groups(shard, groups, answers, learner.verifier, learner.pool, cfg,
-                                 step=step)
+                                 step=step, memory=machinery.verdicts.memory_of(learner, step, dom))
     judged = []
     for rec, ans, ver in zip(shard, answers, verdicts):
         v = [0 if res is None else res.v for res in ver]
@@ -100,6 +100,7 @@ class Learner:
     grpo: GRPOSettings               # the update's settings, from cfg
     ref_model: torch.nn.Module | None = None  # the starting policy, for the KL term (kl_coef > 0)
     tools: object = None             # --agent: the policy's own tool (machinery.agent.Interpreter)
+    verdicts: object = None          # --verdict-memory: machinery.verdicts.VerdictMemory
 
 
 @dataclass
@@ -161,25 +162,30 @@ def read_answers(records, groups, dom) -> list[list[str | None]]:
 
 
 def verify_groups(records, groups, answers, verifier, pool, cfg: Config, *, step: int,
-                  purpose: str = "verify"):
+                  purpose: str = "verify", memory=None):
     """v_i for every rollout of every question, through one batched verifier call and one sandbox
-    batch (up to two of each with --lazy-verify). Each program is seeded by (run seed, step,
-    question, purpose, rollout), as the rollouts are, so a resumed run writes the same programs.
-    Lazy verification skips nothing at omega 1, where no verdict can change the label: there the
-    verifier runs for the monitors."""
+    batch (up to two of each with --lazy-verify, one more of each for repairs). Each program is
+    seeded by (run seed, step, question, purpose, rollout), as the rollouts are, so a resumed run
+    writes the same programs. Lazy verification skips nothing at omega 1, where no verdict can
+    change the label: there the verifier runs for the monitors. memory: the answer classes settled
+    in earlier steps keep their verdicts, and every process's verdicts of this step teach it."""
     if not cfg.verify:
         return [[None] * len(group) for group in groups]
     problems = [rec["problem"] for rec, group in zip(records, groups) for _ in group]
-    keys = [q for q, group in enumerate(groups) for _ in group]  # two questions may share a text
+    keys = [rec["id"] for rec, group in zip(records, groups) for _ in group]  # texts may repeat
     seeds = [question_seed(cfg.seed, step, rec["id"], f"{purpose}|{i}")
              for rec, group in zip(records, groups) for i in range(len(group))]
     texts = [c.text for group in groups for c in group]
     flat = [a for group in answers for a in group]
     lazy = cfg.lazy_verify and cfg.omega > 1
     domain = machinery.domains.domain_of(cfg.bench, cfg.answer_rule)
-    results = iter(verify_batch(problems, texts, flat, verifier, domain, pool, groups=keys,
-                                seeds=seeds, budget=cfg.verify_budget,
-                                omega=cfg.omega if lazy else None))
+    results = verify_batch(problems, texts, flat, verifier, domain, pool, groups=keys, seeds=seeds,
+                           budget=cfg.verify_budget, omega=cfg.omega if lazy else None,
+                           programs=cfg.verifier_programs, agreement=cfg.verifier_agreement,
+                           repair=cfg.verifier_repair, memory=memory)
+    if memory is not None:
+        memory.learn(gather_object(memory.lessons(step, keys, flat, results)))
+    results = iter(results)
     return [[next(results) for _ in group] for group in groups]
 
 

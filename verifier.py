@@ -9,9 +9,10 @@ forbids copying the candidate in), the sandbox runs it, and
     v_i = 1[ the program ran cleanly  and  t_i ~ a_i  and  it did not hard-code a_i ]
 
 ~ is the domain's agreement test (math: machinery/python_tool.py's tool_agrees, is_equiv on t_i as
-printed and as sympy's LaTeX of it); hard-coding is decided on the program's AST (guard.py).
-Every rollout gets a status:
-    verified    v_i = 1                          no_answer   a_i is None: no verifier call spent
+printed and as sympy's LaTeX of it); hard-coding is decided on the program's AST (guard.py). With
+k programs per rollout, v_i = 1 when any reproduces a_i (or the share that do); a failed program
+gets one repair turn (machinery/verdicts.py). Every rollout gets a status:
+    verified    v_i = 1 (repaired: after repair)  no_answer   a_i is None: no verifier call spent
     mismatch    ran, printed something else      no_code     the completion holds no code block
     exec_error  raised, or hit a sandbox limit   timeout     ran past the sandbox's time limit
     hardcoded   the printed value is a_i copied  skipped     no verdict of it could change the
@@ -21,8 +22,7 @@ verify_batch verifies a whole step at once: one call of `verifier` (list of Veri
 of VerifierReply; model_verifier wraps a model in one batched sampler.generate call) and one call of
 the domain's tool (math: one sandbox run_many of the programs); with a budget or lazily,
 machinery/lazy_verify.py says which rollouts go into each call. A domain (machinery/domains.py)
-brings the prompts, the tool and the agreement test. Details: docs/verifier.md;
-`python -m bench.verifier --measure` scores the verifiers.
+brings the prompts, the tool and the agreement test. Details and measurements: docs/verifier.md.
 """
 import hashlib
 import re
@@ -32,7 +32,8 @@ from dataclasses import dataclass
 
 
 def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *, budget=0,
-                 omega=None, groups=None, seeds=None):
+                 omega=None, groups=None, seeds=None, programs=3, agreement="any", repair=True,
+                 memory=None):
     """Tool-verify each rollout: one Verification per rollout, in order.
 
     problems, rollouts, answers: one entry per rollout (a None answer is no_answer, without a
@@ -43,7 +44,10 @@ def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *,
     (its prompts, tool and agreement test). sandbox: passed to the tool (None: a default pool).
     budget, omega: which rollouts are sent (verification_rounds); the rest inherit a verdict
     (budget) or are "skipped" (v = 0; omega: whatever they would show, the label and rewards do not
-    change).
+    change). programs, agreement: k programs per rollout, v = 1 when any reproduces a_i ("any") or
+    the share that do ("share"); repair: a program that fails gets one more turn with its error
+    (machinery/verdicts.py). memory: a verdicts.VerdictMemory whose settled answer classes (groups
+    are its question ids) keep their verdict without a verifier call; the caller teaches it.
     """
     groups, seeds = groups or problems, seeds or [None] * len(problems)
     if not len(problems) == len(rollouts) == len(answers) == len(groups) == len(seeds):
@@ -56,12 +60,18 @@ def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *,
     # which rollouts, call by call
     from machinery.lazy_verify import inherit_verdicts, verification_rounds
     results = [None] * len(rollouts)
+    for i, known in memory.recall(groups, answers, results) if memory is not None else []:
+        results[i] = Verification(v=known["v"], status=known["status"], result=known["result"],
+                                  inferred=True, remembered=True)
     for classes in verification_rounds(groups, answers, results, domain, budget, omega):
-        sent = sorted(i for members in classes for i in (members[:budget] if budget else members))
+        classes = [members for members in classes if any(results[i] is None for i in members)]
+        sent = sorted(i for members in classes for i in (members[:budget] if budget else members)
+                      if results[i] is None)
         if sent:
             verdicts = verify_rollouts([problems[i] for i in sent], [rollouts[i] for i in sent],
                                        [answers[i] for i in sent], verifier, domain, sandbox,
-                                       [seeds[i] for i in sent])
+                                       [seeds[i] for i in sent], programs=programs,
+                                       agreement=agreement, repair=repair)
             for i, verdict in zip(sent, verdicts):
                 results[i] = verdict
             inherit_verdicts(classes, results, budget)
@@ -76,7 +86,7 @@ def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *,
 @dataclass
 class Verification:
     """The verdict on one rollout."""
-    v: int                         # 1 when the tool's result is equivalent to the rollout's answer
+    v: float                       # 1 when the tool's result is equivalent to the rollout's answer
     status: str                    # one of STATUSES_VERIFY
     result: str | None             # the tool's result t_i
     code: str | None = None        # the verifier's program (None: no verifier call for it)
@@ -87,23 +97,49 @@ class Verification:
     # verifier generation time for this rollout: the batch's wall time / rollouts sent
     seconds: float = 0.0
     tool_seconds: float = 0.0      # time the program ran
-    # True: not sent to the verifier; the outcome of its answer class (budget)
+    # True: not sent to the verifier; the outcome of its answer class (budget; memory: remembered)
     inferred: bool = False
+    repaired_from: str | None = None  # a repaired program's verdict: the first one's status
+    remembered: bool = False       # the verdict of its answer class in an earlier step (memory)
+    # each program's {"status", "v", "repaired_from", "tokens"} (programs > 1; --replay re-votes)
+    programs: list | None = None
 
 
-STATUSES_VERIFY = ("verified", "mismatch", "no_answer", "no_code", "exec_error", "timeout",
-                   "hardcoded", "skipped")
+# "repaired": verified by a program that the verifier repaired after its first one failed
+STATUSES_VERIFY = ("verified", "repaired", "mismatch", "no_answer", "no_code", "exec_error",
+                   "timeout", "hardcoded", "skipped")
 
 
-def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox, seeds):
-    """One verifier call and one tool call for these rollouts (every answer given):
-    a Verification each."""
+def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox, seeds, *, programs=3,
+                    agreement="any", repair=True):
+    """The verifier's programs for these rollouts (every answer given), in one verifier and one tool
+    call, k = programs per rollout; with repair one more of each for the programs that failed. A
+    Verification per rollout, from its programs' (machinery/verdicts.py combine)."""
+    from machinery import verdicts
     start = time.perf_counter()
-    replies = verifier([verifier_prompt(problem, rollout, domain, seed)
-                        for problem, rollout, seed in zip(problems, rollouts, seeds)])
+    asked = [(i, verifier_prompt(problems[i], rollouts[i], domain,
+                                 verdicts.program_seed(seeds[i], j)))
+             for i in range(len(problems)) for j in range(programs)]
+    runs = run_programs(asked, problems, answers, verifier, domain, sandbox)
+    failed = [n for n, run in enumerate(runs) if repair and verdicts.needs_repair(run, domain)]
+    repairs = [(asked[n][0], VerifierPrompt(domain.verifier_system, *verdicts.repair_prompt(
+        problems[asked[n][0]], runs[n], domain, asked[n][1].seed))) for n in failed]
+    fixes = run_programs(repairs, problems, answers, verifier, domain, sandbox)
+    for n, fix in zip(failed, fixes):
+        runs[n] = verdicts.repaired(runs[n], fix)
     seconds = (time.perf_counter() - start) / len(problems)
-    if len(replies) != len(problems):
-        raise ValueError(f"the verifier returned {len(replies)} completions for {len(problems)} "
+    return [verdicts.combine(runs[i * programs:(i + 1) * programs], agreement, seconds)
+            for i in range(len(problems))]
+
+
+def run_programs(asked, problems, answers, verifier, domain, sandbox):
+    """One verifier call for the (rollout, VerifierPrompt) pairs asked and one tool call for the
+    programs it writes: a Verification per prompt."""
+    if not asked:
+        return []
+    replies = verifier([prompt for _, prompt in asked])
+    if len(replies) != len(asked):
+        raise ValueError(f"the verifier returned {len(replies)} completions for {len(asked)} "
                          f"prompts")
     replies = [reply if isinstance(reply, VerifierReply) else VerifierReply(str(reply))
                for reply in replies]
@@ -111,13 +147,13 @@ def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox, seed
     with_code = [k for k, program in enumerate(programs) if program is not None]
     runs = dict(zip(with_code, domain.tool([programs[k] for k in with_code], sandbox)))
     results = []
-    for k, reply in enumerate(replies):
+    for k, (reply, (i, _)) in enumerate(zip(replies, asked)):
         run = runs.get(k)
-        status = verdict_status(run, programs[k], problems[k], answers[k], domain)
+        status = verdict_status(run, programs[k], problems[i], answers[i], domain)
         results.append(Verification(
             v=int(status == "verified"), status=status, result=run and run.result, code=programs[k],
             completion=reply.text, output=run.output if run else "", tokens=reply.tokens,
-            seconds=seconds, tool_seconds=run.seconds if run else 0.0))
+            tool_seconds=run.seconds if run else 0.0))
     return results
 
 
@@ -233,6 +269,21 @@ Candidate solution (it may be wrong):
 {rollout}
 
 Write the Python program that computes the answer to the problem."""
+
+# the repair turn (--verifier-repair): a program that raised, ran too long or printed nothing
+REPAIR_USER = """Problem:
+{problem}
+
+This program should compute the answer to the problem:
+```python
+{program}
+```
+Running it gave:
+```
+{error}
+```
+
+Write the corrected Python program that computes the answer and prints it."""
 
 
 FENCE_PYTHON = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n]*\n(.*?)(?:```|\Z)",

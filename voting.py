@@ -59,9 +59,9 @@ def weighted_vote(answers: Sequence[Answer], verified: Sequence[int], omega: flo
     """Vote on a pseudo-label; returns a Vote (label, scores, classes best first, each rollout's
     class).
 
-    answers: answer strings or None; verified: 0/1 (or bools), one per answer. With omega = inf a
-    score is the number of verified rollouts in the class (plain counts when no answer is
-    verified)."""
+    answers: answer strings or None; verified: 0/1 (or bools, or the share of the verifier's
+    programs that reproduced the answer: w_i = 1 + (omega - 1) * v_i), one per answer. With
+    omega = inf a score is the sum of the class's v_i (plain counts when no answer is verified)."""
     _check_group(answers, verified, omega)
     classes = answer_classes(answers, same, key)
     weight = _vote_weight(classes, verified, omega)
@@ -154,8 +154,8 @@ def _check_group(answers: Sequence[Answer], verified: Sequence[int], omega: floa
         raise ValueError(f"answers has {len(answers)} entries but verified has {len(verified)}; "
                          f"pass one flag per answer")
     for v in verified:
-        if v not in (0, 1):
-            raise ValueError(f"verified must hold 0/1 or booleans, got {v!r}")
+        if not 0 <= v <= 1:
+            raise ValueError(f"verified must hold 0/1, booleans or shares in [0, 1], got {v!r}")
     if not omega >= 1:
         raise ValueError(f"omega must be >= 1 (1 = plain majority, float('inf') = hard filter), "
                          f"got {omega!r}")
@@ -169,10 +169,12 @@ def _ranked(classes: list[list[int]], weight: Callable[[int], float]) -> list[li
 
 def _vote_weight(classes: list[list[int]], verified: Sequence[int],
                  omega: float) -> Callable[[int], float]:
-    """w_i: 1 or omega; with omega = inf, v_i itself, unless no rollout in any class is verified
-    (plain counts)."""
+    """w_i = 1 + (omega - 1) * v_i (1 or omega for v_i in {0, 1}; a share of the verifier's programs
+    between); with omega = inf, v_i itself, unless no rollout in any class is verified (plain
+    counts)."""
     hard_filter = math.isinf(omega) and any(verified[i] for members in classes for i in members)
-    return lambda i: float(verified[i]) if hard_filter else (omega if verified[i] else 1.0)
+    return lambda i: (float(verified[i]) if hard_filter
+                      else 1.0 + (omega - 1.0) * verified[i] if verified[i] else 1.0)
 
 
 def undecided_classes(answers: Sequence[Answer], verified: Sequence[Optional[int]],
@@ -200,9 +202,9 @@ def undecided_classes(answers: Sequence[Answer], verified: Sequence[Optional[int
     []
     """
     for v in verified:
-        if v not in (0, 1, None):
-            raise ValueError(f"verified must hold 0/1, or None for a rollout not verified yet, "
-                             f"got {v!r}")
+        if v is not None and not 0 <= v <= 1:
+            raise ValueError(f"verified must hold 0/1 (or a share in [0, 1]), or None for a "
+                             f"rollout not verified yet, got {v!r}")
     _check_group(answers, [0] * len(verified), omega)
     classes = answer_classes(answers, same, key)
     open_ = [members for members in classes if any(verified[i] is None for i in members)]

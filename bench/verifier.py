@@ -8,10 +8,15 @@ false-verify rate, precision, statuses and costs, and logs every completion; --r
 log's completions again without sampling; --demo shows one verification step by step. --steps RUN
 verifies each training step's saved rollouts of a run twice with its verifier, every rollout (as
 --verify-budget says) and lazily (--lazy-verify: only what can change the vote), and prints seconds,
-prompts, tokens and whether the labels agree.
+prompts, tokens and whether the labels agree. --solutions measures verify_batch's options on
+human-written MATH solutions: the right trace and the same trace with its last box changed;
+--memory ON OFF compares two runs with and without the verdict memory.
 
     python -m bench.verifier --measure [--bench knk] [--problems 60]
                              [--verifiers coder-0.5b coder-1.5b]
+    python -m bench.verifier --solutions 8 --verifiers coder-1.5b --max-new-tokens 1024
+                             [--programs 3] [--agreement share] [--no-repair]
+    python -m bench.verifier --memory runs/mem-on runs/mem-off
     python -m bench.verifier --demo
     python -m bench.verifier --steps runs/RUN
 """
@@ -24,8 +29,8 @@ from fractions import Fraction
 
 import torch
 
-from machinery import knk
-from answers import _fraction_str, answer_key, extract_answer, same_answer
+from machinery import knk, verdicts
+from answers import _boxes, _fraction_str, answer_key, extract_answer, same_answer
 from machinery.model import load_model
 from machinery.benchmarks import load_bench
 from machinery.domains import MATH, domain_of
@@ -118,6 +123,104 @@ def measure_rollouts(count, bench="math500"):
     return columns
 
 
+def solution_rollouts(per_level, path=os.path.join(DATA_DIR, "math500_solutions_dev.jsonl")):
+    """Human-written MATH solutions, the first `per_level` of each level 1-5 in file order: the
+    right trace and the same trace with its last box changed to wrong_answer's value, as
+    (problems, rollouts, answers, kinds, levels)."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: not found; set T3RL_DATA_DIR to the folder holding "
+                         f"math500_solutions_dev.jsonl")
+    records = {r["id"]: r for r in map(json.loads, open(os.path.join(DATA_DIR, "math500.jsonl")))}
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    columns = ([], [], [], [], [])
+    for level in range(1, 6):
+        for row in [r for r in rows if int(r["level"]) == level][:per_level]:
+            problem, gold, trace = records[row["id"]]["problem"], records[row["id"]]["answer"], \
+                row["solution"]
+            start, end, _ = _boxes(trace)[-1]
+            wrong = trace[:start] + "\\boxed{" + wrong_answer(problem, gold) + "}" + trace[end:]
+            for kind, text in (("correct", trace), ("wrong", wrong)):
+                for column, value in zip(columns, (problem, text, extract_answer(text), kind,
+                                                   level)):
+                    column.append(value)
+    return columns
+
+
+def measure_solutions(per_level, max_new_tokens, seed, name, options, log_path):
+    """--solutions: verify the right and the changed-box trace of human MATH solutions with one
+    verifier and the verify_batch options given; print accuracy (mean of recall and 1 -
+    false-verify), recall, false-verify, the exec_error share of right traces, statuses, prompts,
+    tokens and seconds, and log every verdict with its programs."""
+    problems, rollouts, answers, kinds, levels = solution_rollouts(per_level)
+    model_call, prompts = offline_verifier(name, max_new_tokens, seed), []
+
+    def counting(batch):
+        prompts.append(len(batch))
+        return model_call(batch)
+    start = time.perf_counter()
+    results = verify_batch(problems, rollouts, answers, counting, MATH, **options)
+    wall = time.perf_counter() - start
+    scores = verifier_scores(results, kinds)
+    right = kinds.count("correct")
+    failed = sum(scores["status"]["correct"][s] for s in ("exec_error", "timeout"))
+    print(f"{name}, {max_new_tokens} verifier tokens, seed {seed}, options {options}: "
+          f"{len(results)} traces ({right} right, {right} with a changed box), levels 1-5")
+    right_at = {lv: [r.v for r, k, x in zip(results, kinds, levels) if k == "correct" and x == lv]
+                for lv in range(1, 6)}
+    by_level = {lv: sum(v) / len(v) for lv, v in right_at.items()}
+    print_measure([(name, scores, by_level, sum(r.tokens or 0 for r in results) / len(results),
+                    wall / len(results))])
+    print(f"accuracy {(scores['recall'] + 1 - scores['false_verify']) / 2:.1%}  recall "
+          f"{scores['recall']:.1%}  false-verify {scores['false_verify']:.1%}  exec_error+timeout "
+          f"{failed / right:.1%} of right traces  prompts {sum(prompts)} in {len(prompts)} calls  "
+          f"tokens {sum(r.tokens or 0 for r in results)}  {wall:.0f} s")
+    if options.get("programs", 1) > 1 or options.get("repair"):
+        print_derived(results, kinds)
+    os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+    with open(log_path, "w") as f:
+        for i, r in enumerate(results):
+            f.write(json.dumps(dict(options=options, kind=kinds[i], level=levels[i],
+                                    answer=answers[i], v=r.v, status=r.status, result=r.result,
+                                    repaired_from=r.repaired_from, programs=r.programs,
+                                    tokens=r.tokens, completion=r.completion,
+                                    output=r.output[-2000:])) + "\n")
+
+
+def print_derived(results, kinds):
+    """The options apart, on this run's own programs: the first program alone, before and after its
+    repair, and all k programs before and after theirs, under each agreement rule (a repaired
+    program's first attempt had failed: v = 0, its status the one it was repaired from)."""
+    def first(p):
+        return (p["repaired_from"] or p["status"],
+                0 if p["repaired_from"] else int(p["status"] in verdicts.REPRODUCED))
+
+    def final(p):
+        return p["status"], int(p["status"] in verdicts.REPRODUCED)
+    print(f"\n{'derived from these programs':<34}{'accuracy':>9}{'recall':>8}{'false-verify':>13}"
+          f"{'exec_error':>11}{'prompts':>8}")
+    for title, count, attempt, rule in (
+            ("1 program, no repair", 1, first, "any"), ("1 program + repair", 1, final, "any"),
+            ("k programs, no repair, any", None, first, "any"),
+            ("k programs, no repair, share", None, first, "share"),
+            ("k programs + repair, any", None, final, "any"),
+            ("k programs + repair, share", None, final, "share")):
+        v, failed, prompts = [], 0, 0
+        for r, kind in zip(results, kinds):
+            programs = (r.programs or [dict(status=r.status, repaired_from=r.repaired_from)])
+            outcomes = [attempt(p) for p in programs[:count]]
+            reproduced = [x for _, x in outcomes]
+            v.append(max(reproduced) if rule == "any" else sum(reproduced) / len(reproduced))
+            prompts += len(outcomes) + (attempt is final) * sum(p["repaired_from"] is not None
+                                                                for p in programs[:count])
+            failed += (kind == "correct" and not any(reproduced)
+                       and outcomes[0][0] in ("exec_error", "timeout"))
+        recall = sum(x for x, k in zip(v, kinds) if k == "correct") / kinds.count("correct")
+        false = sum(x for x, k in zip(v, kinds) if k == "wrong") / kinds.count("wrong")
+        print(f"{title:<34}{(recall + 1 - false) / 2:>9.1%}{recall:>8.1%}{false:>13.1%}"
+              f"{failed / kinds.count('correct'):>11.1%}{prompts:>8}")
+
+
 def logged_verifier(log_path, name):
     """A verifier that replays verifier `name`'s completions from a --measure log, in their order,
     so new program handling can be scored on the same generations without sampling again."""
@@ -150,7 +253,9 @@ def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500",
         verifier, seconds = logged_verifier(rescore, name) if rescore else (
             offline_verifier(name, max_new_tokens, seed), None)
         start = time.perf_counter()
-        results = verify_batch(problems, rollouts, answers, verifier, domain_of(bench))
+        # a log holds one completion per rollout: rescoring replays it as one program, unrepaired
+        results = verify_batch(problems, rollouts, answers, verifier, domain_of(bench),
+                               **(dict(programs=1, repair=False) if rescore else {}))
         wall = time.perf_counter() - start
         del verifier
         by_level = {level: sum(r.v for r, k, lv in zip(results, kinds, levels)
@@ -257,6 +362,42 @@ def replay_steps(run_dir, seed):
           f"ratio {totals[1] / totals[0]:.2f}")
 
 
+def memory_effect(run_with, run_without):
+    """--memory ON OFF: two runs of the same settings over the same questions, with and without
+    --verdict-memory: per step its episode, verifier tokens and programs written in both, the
+    verdicts the memory reused and how many questions got the same label as verifying afresh."""
+    runs = [(json.load(open(os.path.join(run, "config.json"))),
+             {row["step"]: row for row in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
+              if row.get("kind") == "train"},
+             {(row["step"], row["id"]): row["label"]
+              for row in map(json.loads, open(os.path.join(run, "rollouts.jsonl")))})
+            for run in (run_with, run_without)]
+    if not runs[0][0]["verdict_memory"] or runs[1][0]["verdict_memory"]:
+        raise SystemExit(f"--memory {run_with} {run_without}: pass the run with --verdict-memory "
+                         f"first and the one without it second")
+    seen, episodes = {}, {}
+    for step, qid in sorted(runs[0][2]):
+        episodes[step] = seen.get(qid, 0) if step not in episodes else episodes[step]
+        seen[qid] = seen.get(qid, 0) + 1
+    print(f"{'step':>4}{'episode':>8}{'tokens on/off':>15}{'programs on/off':>17}{'reused':>8}"
+          f"{'labels same':>13}")
+    totals = {}
+    for step in sorted(set(runs[0][1]) & set(runs[1][1])):
+        on, off = runs[0][1][step], runs[1][1][step]
+        labels = [runs[0][2][key] == runs[1][2].get(key) for key in runs[0][2] if key[0] == step]
+        print(f"{step:>4}{episodes[step] + 1:>8}"
+              f"{on['verifier_tokens']:>8}/{off['verifier_tokens']:<6}"
+              f"{on['programs_written']:>10}/{off['programs_written']:<6}"
+              f"{on['verdicts_reused']:>8}{sum(labels):>8}/{len(labels):<4}")
+        total = totals.setdefault(episodes[step] + 1, [0, 0, 0, 0, 0])
+        for k, x in enumerate((on["verifier_tokens"], off["verifier_tokens"], 1,
+                               sum(labels), len(labels))):
+            total[k] += x
+    for episode, (on, off, steps, same, questions) in sorted(totals.items()):
+        print(f"episode {episode}: verifier tokens per step {on / steps:.0f} with the memory, "
+              f"{off / steps:.0f} without; labels the same on {same} of {questions} questions")
+
+
 def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written=None):
     """One verification of a step's rollouts (lazily at omega, or every one with None): seconds, the
     prompts of each verifier call, verifier tokens and the step's labels. written: gets each
@@ -271,7 +412,9 @@ def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written
         return completions
     start = time.perf_counter()
     results = verify_batch(problems, texts, answers, counting, domain, budget=cfg["verify_budget"],
-                           omega=omega)
+                           omega=omega, programs=cfg.get("verifier_programs", 1),
+                           agreement=cfg.get("verifier_agreement", "any"),
+                           repair=cfg.get("verifier_repair", False))
     n = cfg["n_votes"]
     labels = [weighted_vote(answers[i:i + n], [r.v for r in results[i:i + n]], cfg["omega"],
                             **domain.classes).label
@@ -291,6 +434,21 @@ def main():
                         help="verify a training run's saved rollouts step by step, every "
                         "rollout and lazily (--lazy-verify), with the run's verifier; print the "
                         "seconds of both")
+    parser.add_argument("--solutions", type=int, metavar="PER_LEVEL",
+                        help="verify the right and a changed-box trace of PER_LEVEL human MATH "
+                        "solutions per level (math500_solutions_dev.jsonl) with the first "
+                        "--verifiers model and the options below")
+    parser.add_argument("--programs", type=int, default=1,
+                        help="--solutions: programs per trace (verify_batch's programs)")
+    parser.add_argument("--agreement", choices=["any", "share"], default="any",
+                        help="--solutions: v from the programs (verify_batch's agreement)")
+    parser.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
+                        help="--solutions: the repair turn for failed programs")
+    parser.add_argument("--log", default="runs/verifier-solutions.jsonl",
+                        help="--solutions: where every verdict and program goes")
+    parser.add_argument("--memory", nargs=2, metavar=("ON", "OFF"),
+                        help="compare two runs over the same questions, with --verdict-memory "
+                        "and without: verifier tokens per step and labels")
     parser.add_argument("--verifiers", nargs="+", default=list(MEASURED),
                         help=f"verifier models, any --model value (default: {' '.join(MEASURED)})")
     parser.add_argument("--problems", type=int, default=60,
@@ -311,6 +469,12 @@ def main():
                 log_path=("runs/verifier-rescore.jsonl" if args.rescore
                           else "runs/verifier-measure.jsonl"),
                 rescore=args.rescore)
+    elif args.solutions:
+        measure_solutions(args.solutions, args.max_new_tokens, args.seed, args.verifiers[0],
+                          dict(programs=args.programs, agreement=args.agreement,
+                               repair=args.repair), args.log)
+    elif args.memory:
+        memory_effect(*args.memory)
     elif args.demo:
         demo(args.verifiers[0], args.max_new_tokens, args.seed)
     elif args.steps:

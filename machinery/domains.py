@@ -16,7 +16,7 @@ from typing import Callable
 
 from answers import answer_key, extract_answer, is_equiv, last_number, same_answer
 from machinery.python_tool import python_tool, tool_agrees
-from verifier import VERIFIER_SYSTEM, VERIFIER_USER, extract_code
+from verifier import REPAIR_USER, VERIFIER_SYSTEM, VERIFIER_USER, extract_code
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class Domain:
     agrees: Callable           # (ToolRun, rollout's answer) -> the tool computed that answer
     # (program, problem, answer) -> the program copied the answer in
     hardcoded: Callable | None = None
+    # the repair turn's user message, with {problem}, {program}, {error} (None: no repair)
+    verifier_repair: str | None = None
 
     @property
     def classes(self) -> dict:
@@ -78,7 +80,7 @@ def knk_agrees(run, answer):
 
 MATH = Domain("math", MATH_INSTRUCTION, math_answer, same_answer, answer_key, is_equiv,
               VERIFIER_SYSTEM, VERIFIER_USER, extract_code, python_tool, math_agrees,
-              math_hardcoded)
+              math_hardcoded, REPAIR_USER)
 
 
 def knk_domain() -> Domain:

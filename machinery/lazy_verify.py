@@ -53,10 +53,9 @@ def verification_rounds(groups, answers, results, domain, budget=0, omega=None):
 
 def inherit_verdicts(classes, results, budget):
     """budget K > 0: the rollouts of a class after its first K take the majority outcome of those K
-    (a tie counts as unverified), marked inferred."""
+    (their lower median: a tie counts as unverified), marked inferred."""
     for members in classes if budget else []:
-        outcomes = [results[i] for i in members[:budget]]
-        v = int(2 * sum(r.v for r in outcomes) > len(outcomes))
-        like = next(r for r in outcomes if r.v == v)
+        outcomes = sorted((results[i] for i in members[:budget]), key=lambda r: r.v)
+        like = outcomes[(len(outcomes) - 1) // 2]
         for i in members[budget:]:
-            results[i] = type(like)(v=v, status=like.status, result=like.result, inferred=True)
+            results[i] = type(like)(v=like.v, status=like.status, result=like.result, inferred=True)

@@ -94,6 +94,8 @@ def log_rollouts(step, shard, groups, answers, verdicts, judged, run_dir, accele
                          "status": res and res.status, "inherited": res and res.inferred,
                          "reward": question.rewards[i], "label": question.vote.label,
                          "kept": i in question.keep, "program": res and res.code,
+                         "repaired_from": res and res.repaired_from,
+                         "remembered": res and res.remembered, "programs": res and res.programs,
                          **tool_calls_row(c)})
     rows = gather_object(rows)
     if accelerator.is_main_process:

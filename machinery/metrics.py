@@ -14,6 +14,7 @@ from pathlib import Path
 from machinery.agent import agent_monitors
 from machinery.domains import Domain, domain_of
 from machinery.files import read_jsonl_rows
+from machinery.verdicts import programs_written
 from voting import group_metrics, weighted_vote
 
 
@@ -59,6 +60,8 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
     stats["statuses"] = [res.status for res in results]
     stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
     stats["verifier_calls_saved"] = sum(res.inferred or res.status == "skipped" for res in results)
+    stats["verdicts_reused"] = sum(res.remembered for res in results)  # --verdict-memory
+    stats["programs_written"] = sum(map(programs_written, results))  # with repairs
     stats["response_tokens"] = [c.num_tokens for c in group]
     if any(c.tool_calls is not None for c in group):  # agent rollouts (--agent)
         stats["agent"] = agent_monitors(group, answers)
@@ -99,6 +102,8 @@ def step_metrics(step, per_question, update, seconds) -> dict:
     row["policy_tokens"] = sum(lengths)
     row["verifier_tokens"] = sum(q["verifier_tokens"] for q in per_question)
     row["verifier_calls_saved"] = sum(q["verifier_calls_saved"] for q in per_question)
+    row["verdicts_reused"] = sum(q["verdicts_reused"] for q in per_question)
+    row["programs_written"] = sum(q["programs_written"] for q in per_question)
     agent = [q["agent"] for q in per_question if "agent" in q]
     if agent:
         row.update(agent_metrics(agent, len(lengths)))

@@ -164,6 +164,11 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
     assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
     assert rows(resumed, "evaluations.jsonl") == rows(straight, "evaluations.jsonl")
     assert [r["step"] for r in rows(resumed, "evaluations.jsonl")] == [s for s in range(5) for _ in QUESTIONS]
+    # the verdict memory (on by default) resumes too: the second episode reuses the first's verdicts
+    assert rows(resumed, "verdicts.jsonl") == rows(straight, "verdicts.jsonl")
+    remembered = sum(r["remembered"] for r in rows(straight, "rollouts.jsonl") if r["step"] == 2)
+    step_2 = next(r for r in rows(straight, "metrics.jsonl") if r.get("step") == 2 and r["kind"] == "train")
+    assert remembered > 0 and step_2["verdicts_reused"] == remembered
     a, b = final_weights(straight), final_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

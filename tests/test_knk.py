@@ -137,7 +137,7 @@ def asserted_smt(answer):
 def verify_knk(completions, answers, pool, record=KNK_4):
     scripted = ScriptedVerifier(*completions)
     results = verify_batch([record["problem"]] * len(answers), ["\\boxed{...}"] * len(answers), answers, scripted,
-                           domains.DOMAINS["knk"], pool)
+                           domains.DOMAINS["knk"], pool, programs=1)
     assert all(p.system == knk.KNK_SYSTEM and record["problem"] in p.user for p in scripted.batches[0])
     return results
 

@@ -19,7 +19,8 @@ from helpers import QUESTIONS, rows, tiny_argv, write_bench
 def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, patched, capsys):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lazy_verify=False)))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lazy_verify=False,
+                                            verifier_programs=1)))
     capsys.readouterr()
     monkeypatch.setattr(machinery.model, "load_model", lambda *a, **k: pytest.fail("replay loaded a model"))
     tables = []
@@ -28,19 +29,37 @@ def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, pat
         tables.append(capsys.readouterr().out)
     assert tables[0] == tables[1]
     table = tables[0].splitlines()
-    assert "4 rollout groups" in table[0] and [line.split()[0] for line in table[2:]] == ["1", "5", "inf"]
-    assert table[2].split()[3] == "0"  # omega = 1 is the majority vote itself: no flips
+    assert "4 rollout groups" in table[0] and [line.split()[1] for line in table[2:]] == ["1", "5", "inf"]
+    assert table[2].split()[4] == "0"  # omega = 1 is the majority vote itself: no flips
     assert not (run.parent / "runs").exists() and sorted(p.name for p in run.parent.iterdir()) == ["run"]
+
+
+def test_replay_re_votes_several_programs_under_each_agreement_rule(tiny_dir, tmp_path, monkeypatch, patched, capsys):
+    """--verifier-programs 2 logs each program's status; --replay re-votes with v from them under each rule:
+    a verifier whose every other program prints 0 verifies with v = 1 (any) or 1/2 (share)."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    half = lambda prompts: ["```python\nprint(%s)\n```" % ("1 + 1" if k % 2 == 0 else "0")  # noqa: E731
+                            for k in range(len(prompts))]
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: half)
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lazy_verify=False,
+                                            verify_budget=0, verifier_programs=2, verdict_memory=False)))
+    logged = [r for r in rows(run, "rollouts.jsonl") if r["answer"] == "2"]
+    assert logged and all(r["v"] == 1 and [p["status"] for p in r["programs"]] == ["verified", "mismatch"]
+                          for r in logged)
+    table = study.replay(run, [1.0, 5.0]).splitlines()
+    assert [tuple(line.split()[:2]) for line in table[2:]] == [("any", "1"), ("any", "5"), ("share", "1"),
+                                                                ("share", "5")]
 
 
 def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny_dir, tmp_path, monkeypatch, patched):
     monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)  # as many skipped verdicts as laziness makes
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2,
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2, verifier_programs=1,
                                                                    top_p=0.95)))  # draws that leave verdicts to skip
     assert "skipped" in {r["status"] for r in rows(run, "rollouts.jsonl")}
-    assert [line.split()[0] for line in study.replay(run, [1.0, 5.0]).splitlines()[2:]] == ["1", "5"]
+    assert [line.split()[1] for line in study.replay(run, [1.0, 5.0]).splitlines()[2:]] == ["1", "5"]
     with pytest.raises(runs.RunDirError, match=r"--omega 2 inf: the run verified lazily"):
         study.replay(run, [1.0, 2.0, math.inf])
 

@@ -123,14 +123,14 @@ def test_a_policy_whose_source_is_bfloat16_trains_float32_master_weights(tiny_di
 
 
 def test_the_loop_keeps_two_questions_with_one_text_apart_when_it_verifies(pool, monkeypatch):
-    """Two ids, one text: each question's lazy verification is its own (keyed by its place in the step)."""
+    """Two ids, one text: each question's lazy verification is its own (keyed by its id)."""
     monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)
     problem = "What is the sum of the integers from 1 to 10?"
     records = [{"id": "a", "problem": problem}, {"id": "b", "problem": problem}]
     answers = [["55", "55", "55", "54"], ["54", "53"]]
     groups = [[Completion([1], [2], f"\\boxed{{{a}}}", "eos") for a in group] for group in answers]
     program = ScriptedVerifier(*["```python\nprint(sum(range(1, 11)))\n```"] * 6)
-    cfg = config.Config(omega=5.0, lazy_verify=True)
+    cfg = config.Config(omega=5.0, lazy_verify=True, verifier_programs=1)
     verdicts = t3rl.verify_groups(records, groups, answers, program, pool, cfg, step=0)
     assert [r.status for r in verdicts[1]] == ["mismatch", "mismatch"]  # by text: skipped behind a's 55
 

@@ -192,8 +192,20 @@ def test_bad_group_is_refused():
         weighted_vote(["1", "2"], [0], 5.0)
     with pytest.raises(ValueError, match="omega must be >= 1"):
         weighted_vote(["1"], [0], 0.5)
-    with pytest.raises(ValueError, match="0/1"):
-        weighted_vote(["1"], [0.5], 5.0)
+    with pytest.raises(ValueError, match=r"shares in \[0, 1\], got 1.5"):
+        weighted_vote(["1"], [1.5], 5.0)
+
+
+def test_a_share_of_programs_weighs_between_one_and_omega():
+    """--verifier-agreement share: v_i is the share of a rollout's programs that reproduced a_i and
+    w_i = 1 + (omega - 1) * v_i: two thirds at omega 4 weigh 3 votes, so one such rollout outvotes two
+    unverified ones, a third of a program (weight 2) ties them and loses on size."""
+    assert weighted_vote(["7", "9", "9"], [2 / 3, 0, 0], 4.0).scores == {"7": 3.0, "9": 2.0}
+    assert weighted_vote(["7", "9", "9"], [1 / 3, 0, 0], 4.0).label == "9"
+    assert weighted_vote(["7", "9"], [0.5, 0.25], math.inf).scores == {"7": 0.5, "9": 0.25}
+    # lazy verification's bounds hold for shares: 7's verified share decides against one open rollout
+    assert undecided_classes(["7", "7", "9"], [2 / 3, 2 / 3, None], 4.0) == []
+    assert undecided_classes(["7", "7", "9", "9"], [1 / 3, 1 / 3, None, None], 4.0) == [[2, 3]]
 
 
 def test_rewards_follow_the_class_assignment():

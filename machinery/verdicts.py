@@ -1,0 +1,180 @@
+"""The verifier beyond the paper's one program per rollout, beside verifier.verify_rollouts, which
+calls it (docs/verifier.md#several-programs-repair-and-the-verdict-memory):
+
+    program_seed    k programs per rollout (--verifier-programs), each sampled with its own seed
+    repair_prompt   a program that raised, ran too long or printed nothing gets one more turn that
+                    shows it its error (--verifier-repair); `repaired` makes its verdict
+    combine         a rollout's v from its programs: any reproduces a_i, or the share that do
+                    (--verifier-agreement)
+    VerdictMemory   an answer class of a question that a program reproduced keeps its verdict in
+                    later steps without a verifier call; a class whose programs failed is tried
+                    again up to --verdict-attempts times (--verdict-memory), kept in the run
+                    folder's verdicts.jsonl so that --resume goes on exactly
+"""
+import dataclasses
+import hashlib
+
+from machinery.files import append_jsonl, keep_jsonl, read_jsonl_rows
+from voting import answer_classes
+
+REPRODUCED = ("verified", "repaired")  # a clean program printed a_i and did not copy it in
+# what the repair turn shows of a failed program's output: its last lines, bounded
+REPAIR_LINES, REPAIR_CHARS = 8, 800
+
+
+def program_seed(seed, j: int):
+    """The seed of a rollout's j-th program: the rollout's own for the first (so one program per
+    rollout is sampled as the paper's single one), a hash of it and j for the others."""
+    if j == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}|program {j}".encode(), digest_size=7).digest(),
+                          "big")
+
+
+def needs_repair(run, domain) -> bool:
+    """The program raised, hit a sandbox limit or printed nothing, and the domain has a repair
+    turn."""
+    failed = run.status in ("exec_error", "timeout") or (run.status == "mismatch"
+                                                         and run.result is None)
+    return failed and domain.verifier_repair is not None
+
+
+def repair_prompt(problem, run, domain, seed):
+    """The repair turn's user message and seed: the problem, the failed program and the end of what
+    running it gave."""
+    lines = run.output.strip().splitlines()[-REPAIR_LINES:]
+    error = "\n".join(lines)[-REPAIR_CHARS:] or "(it printed nothing)"
+    if run.status == "timeout":
+        error = f"{error}\n(it ran past the sandbox's time limit)"
+    return (domain.verifier_repair.format(problem=problem.strip(), program=run.code.strip(),
+                                         error=error),
+            None if seed is None else program_seed(seed, -1))
+
+
+def repaired(first, fix):
+    """The verdict of a repaired program: the fix's, status "repaired" when it reproduced a_i, the
+    tokens and run time of both."""
+    tokens = None if first.tokens is None or fix.tokens is None else first.tokens + fix.tokens
+    return dataclasses.replace(fix, status="repaired" if fix.status == "verified" else fix.status,
+                               repaired_from=first.status, tokens=tokens,
+                               tool_seconds=first.tool_seconds + fix.tool_seconds)
+
+
+def combine(runs, agreement: str, seconds: float):
+    """One rollout's Verification from its programs' (one each): v = 1 when any reproduced a_i
+    ("any") or the share that did ("share"); the first reproducing program (else the first) speaks
+    for it, the tokens are all of theirs."""
+    reproduced = [run for run in runs if run.status in REPRODUCED]
+    tokens = [run.tokens for run in runs]
+    return dataclasses.replace(
+        (reproduced or runs)[0], v=agreed([run.status for run in runs], agreement), seconds=seconds,
+        tokens=None if None in tokens else sum(tokens),
+        tool_seconds=sum(run.tool_seconds for run in runs),
+        programs=[{"status": run.status, "v": run.v, "repaired_from": run.repaired_from,
+                   "tokens": run.tokens} for run in runs]
+        if len(runs) > 1 else None)
+
+
+def programs_written(result) -> int:
+    """The verifier completions a rollout's verdict took: its programs and their repairs (0 for an
+    inherited, remembered or skipped verdict)."""
+    if result is None or result.inferred or result.code is None and result.completion is None:
+        return 0
+    programs = result.programs or [{"repaired_from": result.repaired_from}]
+    return sum(1 + (p["repaired_from"] is not None) for p in programs)
+
+
+def agreed(statuses, agreement: str):
+    """v from a rollout's programs' statuses: 1 when any reproduced a_i ("any"), or the share that
+    did ("share")."""
+    reproduced = [status in REPRODUCED for status in statuses]
+    if agreement not in ("any", "share"):
+        raise ValueError(f"agreement={agreement!r}: pass 'any' or 'share'")
+    return int(any(reproduced)) if agreement == "any" else sum(reproduced) / len(reproduced)
+
+
+def agreement_v(row, agreement: str):
+    """A logged rollout's v under another agreement rule, from its programs (rollouts.jsonl)."""
+    return agreed([p["status"] for p in row["programs"]], agreement) if row.get("programs") \
+        else row["v"]
+
+
+class VerdictMemory:
+    """The verdicts of a run's answer classes, per question id: a reproduced class's verdict, or a
+    failed class's count of failed attempts. recall names a batch's remembered verdicts; lessons
+    are what a step taught it (one row per question and class judged), learn takes them."""
+
+    def __init__(self, domain, attempts: int, path=None):
+        self.domain, self.attempts, self.path = domain, attempts, path
+        self.classes = {}  # question id -> [entry]; entry: answer, v, status, result, failures
+
+    def entry(self, qid, answer):
+        key = self.domain.key(answer)
+        return next((e for e in self.classes.get(qid, ())
+                     if self.domain.key(e["answer"]) == key
+                     or self.domain.same(e["answer"], answer)), None)
+
+    def recall(self, groups, answers, results):
+        """(i, entry) for each rollout not judged yet (results[i] None) whose answer class is
+        settled: reproduced, or failed --verdict-attempts times."""
+        remembered, by_question = [], {}
+        for i, answer in enumerate(answers):
+            if answer is not None:
+                by_question.setdefault(groups[i], []).append(i)
+        for qid, indices in by_question.items():
+            for members in answer_classes([answers[i] for i in indices], **self.domain.classes):
+                e = self.entry(qid, answers[indices[members[0]]])
+                if e and (e["v"] > 0 or e["failures"] >= self.attempts):
+                    remembered += [(indices[m], e) for m in members if results[indices[m]] is None]
+        return remembered
+
+    def lessons(self, step, groups, answers, results) -> list[dict]:
+        """What this step's fresh verdicts say, per question and answer class: its best verdict and
+        the rollouts whose programs were written for it (tries)."""
+        rows = {}
+        for i, (answer, res) in enumerate(zip(answers, results)):
+            if answer is None or res.inferred or res.status == "skipped":
+                continue
+            e = self.entry(groups[i], answer)
+            key = (groups[i], self.domain.key(e["answer"] if e else answer))
+            row = rows.setdefault(key, {"step": step, "id": groups[i], "answer": answer, "v": 0,
+                                        "status": res.status, "result": res.result, "tries": 0})
+            row["tries"] += 1
+            if res.v > row["v"]:
+                row.update(v=res.v, status=res.status, result=res.result)
+        return list(rows.values())
+
+    def learn(self, rows, write=True):
+        """Take a step's lessons (every process's); the main process appends them to the file."""
+        for row in rows:
+            e = self.entry(row["id"], row["answer"])
+            if e is None:
+                e = {"answer": row["answer"], "v": 0, "status": None, "result": None, "failures": 0}
+                self.classes.setdefault(row["id"], []).append(e)
+            if row["v"] > 0 and row["status"] in REPRODUCED:
+                e.update(v=row["v"], status=row["status"], result=row["result"])
+            elif e["v"] == 0:
+                e.update(status=row["status"], result=row["result"],
+                         failures=e["failures"] + row["tries"])
+        if write and self.path is not None and rows:
+            append_jsonl(self.path, rows)
+
+
+def memory_of(learner, start_step: int, domain):
+    """The run's VerdictMemory (None without --verdict-memory or --verify), on the run's domain,
+    made on the first step a process runs: from the run folder's verdicts.jsonl, its rows before
+    that step (the main process drops the later ones: a resumed run goes on from its checkpoint, as
+    one that never stopped)."""
+    cfg = learner.cfg
+    if not (cfg.verdict_memory and cfg.verify):
+        return None
+    if learner.verdicts is None:
+        path = learner.run_dir / "verdicts.jsonl"
+        main = learner.accelerator.is_main_process
+        rows = [r for r in read_jsonl_rows(path) if r["step"] < start_step]
+        memory = VerdictMemory(domain, cfg.verdict_attempts, path if main else None)
+        memory.learn(rows, write=False)
+        if main:
+            keep_jsonl(path, lambda r: r["step"] < start_step)
+        learner.verdicts = memory
+    return learner.verdicts

@@ -1,0 +1,163 @@
+"""machinery/verdicts.py: the repair turn, several programs per rollout and the verdict memory, with
+scripted verifiers (what a test needs of the 1.5B is which program it writes)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from config import Config
+from helpers import ScriptedVerifier
+from machinery import verdicts
+from machinery.domains import MATH
+from sandbox import SandboxPool
+from verifier import verify_batch
+
+PROBLEM = "What is the sum of the integers from 1 to 10?"
+ROLLOUT = "Pairing 1+10, 2+9, ... gives 5 pairs of 11, so the sum is $\\boxed{55}$."
+RIGHT, WRONG, RAISES = "print(sum(range(1, 11)))", "print(sum(range(1, 10)))", "print(55 / 0)"
+
+
+def block(code):
+    return f"```python\n{code}\n```"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with SandboxPool(timeout=2.0) as p:
+        yield p
+
+
+def test_failed_programs_get_one_repair_call_that_shows_their_error(pool):
+    """Two rollouts whose programs raise and print nothing: one more verifier call holds both repair
+    prompts, each with its program's error, and the verdicts say they were repaired."""
+    verifier = ScriptedVerifier(block(RAISES), block("x = 55"), block(RIGHT), block(WRONG))
+    results = verify_batch([PROBLEM] * 2, [ROLLOUT] * 2, ["55", "55"], verifier, MATH, pool,
+                           repair=True, programs=1)
+    assert [len(batch) for batch in verifier.batches] == [2, 2]
+    first, second = verifier.batches[1]
+    assert "ZeroDivisionError" in first.user and "55 / 0" in first.user
+    assert "(it printed nothing)" in second.user and "x = 55" in second.user
+    assert [(r.v, r.status, r.repaired_from) for r in results] == [(1, "repaired", "exec_error"),
+                                                                  (0, "mismatch", "mismatch")]
+
+
+def test_without_repair_a_raising_program_is_an_exec_error_and_one_call(pool):
+    verifier = ScriptedVerifier(block(RAISES))
+    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, repair=False,
+                          programs=1)[0]
+    assert (result.v, result.status, result.repaired_from) == (0, "exec_error", None)
+    assert len(verifier.batches) == 1
+
+
+def test_the_hardcoding_guard_judges_a_repaired_program(pool):
+    verifier = ScriptedVerifier(block(RAISES), block("print(55)"))
+    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, repair=True,
+                          programs=1)[0]
+    assert (result.v, result.status, result.repaired_from) == (0, "hardcoded", "exec_error")
+
+
+def test_a_mismatch_that_printed_a_value_is_not_repaired(pool):
+    verifier = ScriptedVerifier(block(WRONG))
+    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, repair=True,
+                          programs=1)[0]
+    assert (result.status, len(verifier.batches)) == ("mismatch", 1)
+
+
+def test_repair_shows_the_last_lines_of_a_long_error_only():
+    run = SimpleNamespace(status="exec_error", code="print(1)",
+                          output="\n".join(f"line {k}" for k in range(100)))
+    user, seed = verdicts.repair_prompt(PROBLEM, run, MATH, seed=3)
+    assert "line 99" in user and "line 92" in user and "line 91\n" not in user
+
+
+@pytest.mark.parametrize("agreement,v", [("any", 1), ("share", 2 / 3)])
+def test_k_programs_per_rollout_with_their_own_seeds_and_the_agreement_rule(pool, agreement, v):
+    """Three programs per rollout, each seeded apart (the first with the rollout's own seed), in one
+    call; v is 1 when one reproduces a_i (any) or the share that do (share)."""
+    verifier = ScriptedVerifier(block(RIGHT), block(WRONG), block("print(5 * 11)"))
+    result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, seeds=[7],
+                          programs=3, agreement=agreement, repair=False)[0]
+    seeds = [p.seed for p in verifier.batches[0]]
+    assert len(verifier.batches) == 1 and seeds[0] == 7 and len(set(seeds)) == 3
+    assert result.v == pytest.approx(v) and result.status == "verified"
+    assert [p["status"] for p in result.programs] == ["verified", "mismatch", "verified"]
+
+
+def test_replayed_agreement_rules_read_the_logged_programs():
+    row = {"v": 1, "programs": [{"status": "verified"}, {"status": "mismatch"},
+                                {"status": "repaired"}]}
+    assert (verdicts.agreement_v(row, "any"), verdicts.agreement_v(row, "share")) == (1, 2 / 3)
+
+
+def memory(attempts=2):
+    return verdicts.VerdictMemory(MATH, attempts)
+
+
+def step(mem, answers, completions, pool, number, **options):
+    """One step's verification of question q0's rollouts through the memory, which then learns."""
+    verifier = ScriptedVerifier(*completions)
+    n = len(answers)
+    results = verify_batch([PROBLEM] * n, [ROLLOUT] * n, answers, verifier, MATH, pool,
+                           groups=["q0"] * n, memory=mem, repair=False, programs=1, **options)
+    mem.learn(mem.lessons(number, ["q0"] * n, answers, results))
+    return results, verifier
+
+
+def test_a_reproduced_class_keeps_its_verdict_without_a_verifier_call(pool):
+    mem = memory()
+    step(mem, ["55", "54"], [block(RIGHT), block(WRONG)], pool, 0)
+    # 55 is settled; 54 failed once (of 2 attempts), so its new rollout is tried again
+    results, verifier = step(mem, ["55", "55", "54"], [block(WRONG)], pool, 1)
+    assert [len(batch) for batch in verifier.batches] == [1]
+    assert [(r.v, r.status, r.remembered) for r in results] == [
+        (1, "verified", True), (1, "verified", True), (0, "mismatch", False)]
+    # after its second failure 54 stays unverified without a call
+    results, verifier = step(mem, ["54", "\\frac{110}{2}"], [], pool, 2)
+    assert verifier.batches == [] and [r.remembered for r in results] == [True, True]
+    assert [r.v for r in results] == [0, 1]  # 110/2 is 55's class
+
+
+def test_lazy_verification_with_a_memory_asks_only_what_can_change_the_label(pool):
+    mem = memory()
+    step(mem, ["55"], [block(RIGHT)], pool, 0)
+    # 55 remembered (weight 5) against one open 54 (at most 5, and fewer rollouts): decided
+    results, verifier = step(mem, ["55", "54"], [], pool, 1, omega=5.0)
+    assert verifier.batches == [] and [r.status for r in results] == ["verified", "skipped"]
+
+
+def learner_at(run_dir, **options):
+    cfg = Config(**{"verdict_memory": True, "verdict_attempts": 2, **options})
+    return SimpleNamespace(cfg=cfg, run_dir=run_dir, verdicts=None,
+                           accelerator=SimpleNamespace(is_main_process=True))
+
+
+def test_a_resumed_run_remembers_the_steps_before_its_checkpoint_only(tmp_path):
+    """verdicts.jsonl keeps every step's lessons; resuming at step 2 keeps those of steps 0 and 1 and
+    drops the later ones, which the resumed run computes again."""
+    lessons = [{"step": s, "id": "q0", "answer": a, "v": v, "status": st, "result": a, "tries": 1}
+               for s, a, v, st in [(0, "55", 1, "verified"), (1, "54", 0, "mismatch"),
+                                   (2, "53", 1, "verified")]]
+    (tmp_path / "verdicts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lessons))
+    mem = verdicts.memory_of(learner_at(tmp_path), 2, MATH)
+    assert [e["answer"] for e in mem.classes["q0"]] == ["55", "54"]
+    assert [json.loads(line)["step"] for line in open(tmp_path / "verdicts.jsonl")] == [0, 1]
+    remembered = mem.recall(["q0"] * 3, ["55", "54", "53"], [None] * 3)
+    assert [(i, e["v"]) for i, e in remembered] == [(0, 1)]  # 54 has one failed attempt of 2
+    assert verdicts.memory_of(learner_at(tmp_path, verdict_memory=False), 2, MATH) is None
+
+
+def test_programs_written_counts_repairs_and_no_inherited_verdict(pool):
+    verifier = ScriptedVerifier(block(RAISES), block(RIGHT), block(RIGHT), block(RIGHT))
+    results = verify_batch([PROBLEM] * 3, [ROLLOUT] * 3, ["55"] * 3, verifier, MATH, pool,
+                           repair=True, budget=1, programs=1)
+    assert [verdicts.programs_written(r) for r in results] == [2, 0, 0]
+    assert results[1].inferred and results[0].status == "repaired"
+
+
+def test_verify_batch_defaults_are_what_a_training_step_runs():
+    """bench/ and other callers of verify_batch get the verifier of the loop's defaults."""
+    import inspect
+    defaults = {k: p.default for k, p in inspect.signature(verify_batch).parameters.items()}
+    cfg = Config()
+    assert (defaults["programs"], defaults["agreement"], defaults["repair"]) == (
+        cfg.verifier_programs, cfg.verifier_agreement, cfg.verifier_repair)
