@@ -32,11 +32,12 @@ TRAINING_ONLY = {
     "clip_ratio_c", "kl_coef", "loss_agg", "micro_batch_tokens", "micro_batch_rollouts",
     "grad_checkpointing", "bf16", "vllm_gpu_memory_utilization", "vllm_is_correction",
     "vllm_is_cap", "eval_every", "save_every", "report_to", "out_dir", "run_name", "resume",
-    "eval_only", "study", "eval_on", "eval_cache"}
+    "eval_only", "study", "eval_on", "eval_cache", "parallel", "verdict_memory",
+    "verdict_attempts"}
 # what only the verified vote reads: the verifier and the vote's weight
 VERIFIER_ONLY = {"verify", "verifier_model", "omega", "verify_budget", "lazy_verify",
                  "verifier_max_new_tokens", "verifier_temperature", "verifier_top_p",
-                 "verifier_backend"}
+                 "verifier_backend", "verifier_programs", "verifier_agreement", "verifier_repair"}
 
 
 def eval_questions(records: list[dict], batches: list[list[dict]], cfg: Config) -> list[dict]:

@@ -1,4 +1,5 @@
 """machinery/evals.py: which questions a run evaluates, the step-0 evaluation's cache, the time line."""
+import dataclasses
 import json
 import re
 import time
@@ -7,7 +8,8 @@ import pytest
 
 import t3rl
 from helpers import rows, tiny_argv, write_bench
-from machinery import metrics
+from config import Config
+from machinery import evals, metrics
 from machinery.options import parse_config
 
 EIGHT = [(f"What is {i} + {i}?", str(2 * i)) for i in range(8)]
@@ -118,3 +120,10 @@ def test_a_run_ends_with_where_its_time_went(tiny_dir, tmp_path, eight, monkeypa
     shares = dict((phase, int(share)) for phase, share in re.findall(r"(\w+) [\d.]+ \((\d+)%\)", line))
     assert list(shares) == ["load", "evaluation", "sample", "verify", "update", "other"]
     assert shares["evaluation"] >= 100 * 4 / wall - 1 and abs(sum(shares.values()) - 100) <= 3
+
+
+def test_the_cache_key_names_only_real_options():
+    """A misspelt name in the lists would key the evaluation on an option it does not depend on, or miss one."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    assert evals.TRAINING_ONLY <= names and evals.VERIFIER_ONLY <= names
+    assert not evals.TRAINING_ONLY & evals.VERIFIER_ONLY

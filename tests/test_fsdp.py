@@ -19,6 +19,7 @@ from helpers import (QUESTIONS, ROOT, copy_run, final_weights, make_tiny_model, 
 
 LAUNCHED = """import sys
 sys.path.insert(0, {root!r})
+from pathlib import Path
 import torch.distributed as dist
 from machinery import domains, fsdp
 import t3rl
@@ -35,7 +36,9 @@ def recorded(model, *args, **kwargs):  # what the update trains: sharded or not,
 
 t3rl.grpo_step = recorded
 t3rl.main()
-print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}} done: {{'; '.join(sorted(seen))}}")
+# a file per process: the processes' stdout lines may interleave in the one pipe they share
+Path(f"done-{{dist.get_rank()}}.txt").write_text(
+    f"process {{dist.get_rank()}} of {{dist.get_world_size()}} done: {{'; '.join(sorted(seen))}}")
 """
 
 
@@ -66,7 +69,10 @@ def launch(model_dir, tmp_path, processes: int, out: str, *argv, **options):
     done = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    lines = re.findall(r"process (\d+) of (\d+) done: (.*)", done.stdout)
+    lines = [re.fullmatch(r"process (\d+) of (\d+) done: (.*)", path.read_text()).groups()
+             for path in sorted(tmp_path.glob("done-*.txt"))]
+    for path in tmp_path.glob("done-*.txt"):
+        path.unlink()  # the next launch in this folder writes its own
     assert sorted((rank, world) for rank, world, _ in lines) == \
         [(str(rank), str(processes)) for rank in range(processes)]
     return tmp_path / out / "run", {int(rank): trained for rank, _, trained in lines}
