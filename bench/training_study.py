@@ -172,11 +172,11 @@ def read_arm(folder: Path) -> dict | None:
             "shares": read_jsonl_rows(folder / SHARES)}
 
 
-def avg_change(arm: dict, ids: list[str]) -> np.ndarray:
-    """[questions] avg@k at the last evaluation minus avg@k before training, in the order of ids."""
-    steps = [r["step"] for r in arm["evaluations"]]
+def avg_at_ends(arm: dict, ids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """[questions] avg@k before training and at the last evaluation, in the order of ids."""
+    last = max(r["step"] for r in arm["evaluations"])
     at = {(r["step"], r["id"]): float(np.mean(r["runs"])) for r in arm["evaluations"]}
-    return np.array([at[max(steps), qid] - at[0, qid] for qid in ids])
+    return np.array([at[0, qid] for qid in ids]), np.array([at[last, qid] for qid in ids])
 
 
 def by_episode(rows: list[dict], key: str, ids) -> dict:
@@ -230,11 +230,13 @@ def change_lines(present: dict, ids: dict, seed: int) -> list[str]:
         if not qids:
             continue
         draws = bootstrap_draws(len(qids), seed)
-        changes = {arm: avg_change(data, qids) for arm, data in present.items()}
+        ends = {arm: avg_at_ends(data, qids) for arm, data in present.items()}
+        changes = {arm: after - before for arm, (before, after) in ends.items()}
         for arm, change in changes.items():
             lo, hi = interval(change, draws)
+            before, after = ends[arm]
             lines.append(f"  {group:<9} {arm:<12} {change.mean():+.3f} [{lo:+.3f}, {hi:+.3f}] "
-                         f"(n {len(qids)})")
+                         f"(n {len(qids)}: {before.mean():.3f} -> {after.mean():.3f})")
         if len(changes) == 2:
             diff = changes["t3rl"] - changes["ttrl"]
             lo, hi = interval(diff, draws)

@@ -154,6 +154,7 @@ def test_the_report_pairs_the_arms_over_questions_from_the_committed_files(tmp_p
     assert "control   t3rl - ttrl  +0.000 [+0.000, +0.000]" in lines
     own = [line for line in lines if line.startswith("disagree  t3rl         +0.375 [")]
     assert len(own) == 1 and "[+0.375, +0.375]" not in own[0]  # each arm's own change spreads
+    assert own[0].endswith("(n 4: 0.250 -> 0.625)")
     assert "t3rl episode 1: label accuracy 0.750 / nan, share 0.750" in lines
     assert "ttrl episode 1: label accuracy 0.750 / nan, share 0.250" in lines
     assert (results / "share.png").stat().st_size > 0
