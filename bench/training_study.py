@@ -8,7 +8,7 @@ where they agree (the control), each arm from the same weights with the same see
   arm A    train arm A (ttrl: --omega 1, t3rl: the default omega) on exactly those questions
            (--question-ids), evaluating before, after every episode and at the end at avg@8, then
            copy its small outputs into results/training-study/A/
-  report   from the committed files alone: per arm and for T3RL - TTRL the change in avg@k on the
+  report   from the committed files alone (report.txt, share.png): per arm and for T3RL - TTRL the change in avg@k on the
            disagreeing questions and on the control (paired bootstrap over questions), the label
            accuracy per episode, and the share of T3RL's starting answer in each arm's rollouts on
            the disagreeing questions where that answer is right (share.png)
@@ -217,6 +217,7 @@ def report(results: Path, seed: int = 0) -> str:
             lines.append(f"warning: the arms differ in {', '.join(differ)}, not only in omega")
     lines += change_lines(present, ids, seed)
     lines += episode_lines(present, ids, t3_right)
+    lines += evaluation_lines(present, ids)
     if present:
         plot_share(results / "share.png", present, t3_right)
     return "\n".join(lines)
@@ -258,6 +259,20 @@ def episode_lines(present: dict, ids: dict, t3_right: list[str]) -> list[str]:
                          f"{labels['disagree'][episode]:.3f} / "
                          f"{labels['control'].get(episode, float('nan')):.3f}, share "
                          f"{share.get(episode, float('nan')):.3f}")
+    return lines
+
+
+def evaluation_lines(present: dict, ids: dict) -> list[str]:
+    """avg@k of each group at every evaluation of each arm."""
+    lines = ["", "avg@k at each evaluation (step: disagree / control)"]
+    for arm, data in present.items():
+        at = {}
+        for r in data["evaluations"]:
+            group = next((g for g, qids in ids.items() if r["id"] in qids), None)
+            at.setdefault(r["step"], {}).setdefault(group, []).append(float(np.mean(r["runs"])))
+        lines.append(f"  {arm}: " + ", ".join(
+            f"{step}: " + " / ".join(f"{np.mean(groups.get(g, [np.nan])):.3f}" for g in GROUPS)
+            for step, groups in sorted(at.items())))
     return lines
 
 
@@ -313,7 +328,9 @@ def main(argv=None):
     else:
         if not (args.results / "questions.json").is_file():
             raise SystemExit(f"report: no {args.results}/questions.json; run select first")
-        print(report(args.results))
+        text = report(args.results)
+        (args.results / "report.txt").write_text(text + "\n")
+        print(text)
 
 
 if __name__ == "__main__":

@@ -147,7 +147,8 @@ def test_the_report_pairs_the_arms_over_questions_from_the_committed_files(tmp_p
                                for e in range(2) for i in range(4)]
     write_arm(results / "t3rl", 5.0, before, t3_after, share([0.5, 0.75]))
     write_arm(results / "ttrl", 1.0, before, tt_after, share([0.5, 0.25]))
-    text = training_study.report(results)
+    training_study.main(["--results", str(results), "report"])
+    text = (results / "report.txt").read_text()
     assert "T3RL right and TTRL wrong 3, TTRL right and T3RL wrong 1, both wrong 0" in text
     lines = [line.strip() for line in text.splitlines()]
     assert "disagree  t3rl - ttrl  +0.250 [+0.250, +0.250]" in lines
@@ -157,6 +158,7 @@ def test_the_report_pairs_the_arms_over_questions_from_the_committed_files(tmp_p
     assert own[0].endswith("(n 4: 0.250 -> 0.625)")
     assert "t3rl episode 1: label accuracy 0.750 / nan, share 0.750" in lines
     assert "ttrl episode 1: label accuracy 0.750 / nan, share 0.250" in lines
+    assert "t3rl: 0: 0.250 / 0.250, 8: 0.625 / 0.500" in lines
     assert (results / "share.png").stat().st_size > 0
     for name in ("config.json", "evaluations.jsonl", "metrics.jsonl", "shares.jsonl"):
         (results / "ttrl" / name).unlink()
