@@ -285,7 +285,8 @@ def plot_share(path: Path, present: dict, t3_right: list[str]):
         share = by_episode(data["shares"], "share_t3rl_answer", set(t3_right))
         ax.plot(list(share), list(share.values()), marker="o",
                 label=f"{arm} (omega {data['config']['omega']:g})")
-    ax.set_xlabel("episode")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    ax.set_xlabel("episode (the rollouts of its steps)")
     ax.set_ylabel("share of rollouts giving T3RL's answer")
     ax.set_title(f"{len(t3_right)} questions where the votes disagree and T3RL's label is right",
                  fontsize=9)
