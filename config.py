@@ -56,6 +56,9 @@ class Config:
     # what to train
     bench: str = option("demo", "benchmark", BENCHES)
     limit: int = option(0, "use only the first LIMIT questions of the benchmark (0 = all)", COUNT)
+    question_ids: str = option("", "file of question ids, one a line (# starts a comment): use "
+                               "only those questions of the benchmark, in its order, before "
+                               "--limit (empty = all)")
     model: str = option("embedded", "policy: Hub id, local folder, .gguf file, or 'embedded' "
                         "(offline Qwen2.5-Coder-0.5B-Instruct)")
     verifier_model: str = option("self", "verifier LLM: 'self' = frozen copy of the policy's "

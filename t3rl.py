@@ -272,7 +272,7 @@ def train(cfg: Config) -> Path:
     accelerator = machinery.loop.make_accelerator(cfg)
     set_seed(cfg.seed)
     machinery.engine.configure(gpu_memory_utilization=cfg.vllm_gpu_memory_utilization)
-    records = machinery.benchmarks.load_bench(cfg.bench)[:cfg.limit or None]  # bad input ends here
+    records = machinery.benchmarks.run_questions(cfg)[:cfg.limit or None]  # bad input ends here
     batches = question_batches(records, cfg)
     # test-time RL is scored on the questions it trains on (--eval-on)
     questions = machinery.evals.eval_questions(records, batches, cfg)

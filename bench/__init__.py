@@ -7,4 +7,5 @@ reverse.
     python -m bench.sandbox      the warm pool against `python -c`; --selftest: the protections here
     python -m bench.answers      is_equiv against bare math-verify and string matching
     python -m bench.identity     a run's fingerprint: weights, metrics and rollouts (a change alike?)
+    python -m bench.training_study  select, arm ttrl|t3rl, report: training where the votes disagree
 """

@@ -65,6 +65,27 @@ def load_bench(name: str) -> list[dict]:
     return hub_records(name, rows)
 
 
+def run_questions(cfg) -> list[dict]:
+    """The benchmark's questions a run uses, before --limit: all, or those --question-ids lists
+    (in the benchmark's order)."""
+    records = load_bench(cfg.bench)
+    if not cfg.question_ids:
+        return records
+    path = Path(cfg.question_ids).expanduser()
+    lines = path.read_text(encoding="utf-8").splitlines()
+    wanted = [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
+    if not wanted:
+        raise DataError(f"--question-ids {path}: no ids in the file; write one question id a line")
+    known = {rec["id"] for rec in records}
+    unknown = [qid for qid in wanted if qid not in known]
+    if unknown:
+        raise DataError(f"--question-ids {path}: {len(unknown)} ids not in --bench {cfg.bench} "
+                        f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); list "
+                        f"ids from that benchmark's file")
+    wanted = set(wanted)
+    return [rec for rec in records if rec["id"] in wanted]
+
+
 def read_jsonl(path: Path) -> list[dict]:
     """Benchmark records {id, problem, answer, ...} from a JSON-lines file; errors name the file and
     the line."""

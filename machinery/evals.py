@@ -33,7 +33,7 @@ TRAINING_ONLY = {
     "grad_checkpointing", "bf16", "vllm_gpu_memory_utilization", "vllm_is_correction",
     "vllm_is_cap", "eval_every", "save_every", "report_to", "out_dir", "run_name", "resume",
     "eval_only", "study", "eval_on", "eval_cache", "parallel", "verdict_memory",
-    "verdict_attempts"}
+    "verdict_attempts", "question_ids"}
 # what only the verified vote reads: the verifier and the vote's weight
 VERIFIER_ONLY = {"verify", "verifier_model", "omega", "verify_budget", "lazy_verify",
                  "verifier_max_new_tokens", "verifier_temperature", "verifier_top_p",

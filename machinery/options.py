@@ -218,6 +218,9 @@ def check_config(cfg: Config, source: str = ""):
         if cfg.eval_cache not in ("auto", "none") and cache.exists() and not cache.is_dir():
             raise OptionError(f"--eval-cache {cfg.eval_cache}: a file, not a folder; pass a folder "
                               f"(it is created), auto or none")
+        if cfg.question_ids and not Path(cfg.question_ids).expanduser().is_file():
+            raise OptionError(f"--question-ids {cfg.question_ids}: no such file; pass a file "
+                              f"with one question id a line")
         check_parallel(cfg)
         if cfg.n_train > cfg.n_votes:
             raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes "

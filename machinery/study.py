@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from config import AGREEMENTS
-from machinery.benchmarks import load_bench
+from machinery.benchmarks import load_bench, run_questions
 from machinery.domains import domain_of
 from machinery.files import append_jsonl, drop_torn_tail, read_jsonl_rows, write_jsonl
 from machinery.verdicts import agreement_v
@@ -432,7 +432,7 @@ def run_study(cfg) -> Path:
     loop.check_one_process("--study")
     sample_dtype = options.sample_dtype(cfg)
     run_dir = open_study(cfg)
-    records = stratified(load_bench(cfg.bench), cfg.limit, cfg.seed)
+    records = stratified(run_questions(cfg), cfg.limit, cfg.seed)
     device = torch.device("cuda" if options.has_gpu() else "cpu")
     policy, tokenizer = model.load_model(cfg.model, dtype=sample_dtype)  # it never trains
     policy.to(device)

@@ -187,6 +187,8 @@ BAD_INPUTS = [
     ("share of one program", lambda c: argv_for(c, verifier_agreement="share", verifier_programs=1),
      r"--verifier-agreement share with --verifier-programs 1: the share of one program is its verdict; pass"),
     ("eval-samples", lambda c: argv_for(c, eval_samples=-1), r"--eval-samples -1: must be in \[0, inf\)"),
+    ("question-ids missing", lambda c: argv_for(c, question_ids=str(c["tiny"] / "no-such.txt")),
+     r"--question-ids .*no-such.txt: no such file; pass a file with one question id a line"),
     ("eval-cache a file", lambda c: argv_for(c, eval_cache=str(c["tiny"] / "config.json")),
      r"--eval-cache .*config.json: a file, not a folder; pass a folder \(it is created\), auto or none"),
     ("eval-on", lambda c: argv_for(c, eval_on="test"), r"--eval-on test: choose one of trained, all, held-out"),
@@ -273,7 +275,8 @@ def test_the_table_covers_thirty_bad_inputs_and_every_option_has_a_range():
     assert len(BAD_INPUTS + NEEDS_A_MODEL) >= 30
     for f in dataclasses.fields(config.Config):
         # free text, checked elsewhere: model names by check_spec, tracker names by check_config
-        free_text = f.name in ("model", "verifier_model", "out_dir", "run_name", "resume", "report_to", "eval_cache")
+        free_text = f.name in ("model", "verifier_model", "out_dir", "run_name", "resume", "report_to", "eval_cache",
+                                    "question_ids")
         assert f.type in (bool, "bool") or free_text or f.metadata["allowed"] is not None, f"--{f.name} has no range"
 
 
