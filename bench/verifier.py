@@ -171,9 +171,14 @@ def measure_solutions(per_level, max_new_tokens, seed, name, options, log_path):
     by_level = {lv: sum(v) / len(v) for lv, v in right_at.items()}
     print_measure([(name, scores, by_level, sum(r.tokens or 0 for r in results) / len(results),
                     wall / len(results))])
+    programs = [p["status"] for r, k in zip(results, kinds) if k == "correct"
+                for p in r.programs or [dict(status=r.status)]]
+    raised = sum(status in ("exec_error", "timeout") for status in programs)
     print(f"accuracy {(scores['recall'] + 1 - scores['false_verify']) / 2:.1%}  recall "
           f"{scores['recall']:.1%}  false-verify {scores['false_verify']:.1%}  exec_error+timeout "
-          f"{failed / right:.1%} of right traces  prompts {sum(prompts)} in {len(prompts)} calls  "
+          f"{failed / right:.1%} of right traces (no program ran cleanly), "
+          f"{raised / len(programs):.1%} of their programs  prompts {sum(prompts)} in "
+          f"{len(prompts)} calls  "
           f"tokens {sum(r.tokens or 0 for r in results)}  {wall:.0f} s")
     if options.get("programs", 1) > 1 or options.get("repair"):
         print_derived(results, kinds)
@@ -213,8 +218,8 @@ def print_derived(results, kinds):
             v.append(max(reproduced) if rule == "any" else sum(reproduced) / len(reproduced))
             prompts += len(outcomes) + (attempt is final) * sum(p["repaired_from"] is not None
                                                                 for p in programs[:count])
-            failed += (kind == "correct" and not any(reproduced)
-                       and outcomes[0][0] in ("exec_error", "timeout"))
+            failed += (kind == "correct" and not any(reproduced) and min(
+                (s for s, _ in outcomes), key=verdicts.FURTHEST.index) in ("exec_error", "timeout"))
         recall = sum(x for x, k in zip(v, kinds) if k == "correct") / kinds.count("correct")
         false = sum(x for x, k in zip(v, kinds) if k == "wrong") / kinds.count("wrong")
         print(f"{title:<34}{(recall + 1 - false) / 2:>9.1%}{recall:>8.1%}{false:>13.1%}"

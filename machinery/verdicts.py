@@ -18,6 +18,9 @@ from machinery.files import append_jsonl, keep_jsonl, read_jsonl_rows
 from voting import answer_classes
 
 REPRODUCED = ("verified", "repaired")  # a clean program printed a_i and did not copy it in
+# a rollout none of whose programs reproduced a_i takes the status of the one that got furthest:
+# a program that ran and printed something else says more than one that raised beside it
+FURTHEST = ("mismatch", "hardcoded", "exec_error", "timeout", "no_code")
 # what the repair turn shows of a failed program's output: its last lines, bounded
 REPAIR_LINES, REPAIR_CHARS = 8, 800
 
@@ -62,17 +65,23 @@ def repaired(first, fix):
 
 def combine(runs, agreement: str, seconds: float):
     """One rollout's Verification from its programs' (one each): v = 1 when any reproduced a_i
-    ("any") or the share that did ("share"); the first reproducing program (else the first) speaks
-    for it, the tokens are all of theirs."""
+    ("any") or the share that did ("share"); the first reproducing program (else the first that got
+    furthest, FURTHEST) speaks for it, the tokens are all of theirs."""
     reproduced = [run for run in runs if run.status in REPRODUCED]
+    speaker = reproduced[0] if reproduced else furthest(runs)
     tokens = [run.tokens for run in runs]
     return dataclasses.replace(
-        (reproduced or runs)[0], v=agreed([run.status for run in runs], agreement), seconds=seconds,
+        speaker, v=agreed([run.status for run in runs], agreement), seconds=seconds,
         tokens=None if None in tokens else sum(tokens),
         tool_seconds=sum(run.tool_seconds for run in runs),
         programs=[{"status": run.status, "v": run.v, "repaired_from": run.repaired_from,
                    "tokens": run.tokens} for run in runs]
         if len(runs) > 1 else None)
+
+
+def furthest(runs):
+    """The first of these unreproducing programs' verdicts whose status comes first in FURTHEST."""
+    return min(runs, key=lambda run: FURTHEST.index(run.status))
 
 
 def programs_written(result) -> int:

@@ -83,6 +83,19 @@ def test_k_programs_per_rollout_with_their_own_seeds_and_the_agreement_rule(pool
     assert [p["status"] for p in result.programs] == ["verified", "mismatch", "verified"]
 
 
+def test_a_rollout_no_program_reproduced_has_the_status_of_the_one_that_got_furthest(pool):
+    """One of three programs ran and printed another value: the rollout is a mismatch that shows
+    that program, not the first one's exec_error; it is an exec_error when none ran cleanly."""
+    verifier = ScriptedVerifier(block(RAISES), block(WRONG), block(RAISES), block(RAISES),
+                                block("while True: pass"), block(RAISES))
+    ran, raised = verify_batch([PROBLEM] * 2, [ROLLOUT] * 2, ["55"] * 2, verifier, MATH, pool,
+                               programs=3, repair=False)
+    assert [p["status"] for p in ran.programs] == ["exec_error", "mismatch", "exec_error"]
+    assert (ran.v, ran.status, ran.code.strip()) == (0, "mismatch", WRONG)
+    assert [p["status"] for p in raised.programs] == ["exec_error", "timeout", "exec_error"]
+    assert (raised.v, raised.status, raised.code.strip()) == (0, "exec_error", RAISES)
+
+
 def test_replayed_agreement_rules_read_the_logged_programs():
     row = {"v": 1, "programs": [{"status": "verified"}, {"status": "mismatch"},
                                 {"status": "repaired"}]}
