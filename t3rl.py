@@ -244,12 +244,11 @@ def log_evaluation(learner: Learner, records: list[dict], step: int, log, final:
     the run), its questions' rows (evaluations.jsonl), and print it. The evaluation before training
     comes from machinery/evals.py's cache when an earlier run made the same one."""
     cfg, accelerator, evals = learner.cfg, learner.accelerator, machinery.evals
-    rows = evals.load_cached(cfg, records, accelerator) if step == 0 else None
+    rows, slot = evals.load_cached(cfg, records, accelerator) if step == 0 else (None, None)
     if rows is None:
         rows = evaluate(learner.policy, learner.tokenizer, records, cfg, accelerator,
                         learner.verifier, learner.pool, learner.tools)
-        if step == 0:
-            evals.store(cfg, records, rows, accelerator)
+        evals.store(cfg, rows, slot)
     evals.log_questions(learner.run_dir, step, rows, accelerator)
     result = machinery.metrics.eval_metrics(rows, cfg.eval_samples)
     row = {"kind": "eval", "step": step, **(coverage or {}), **result}
@@ -275,8 +274,7 @@ def train(cfg: Config) -> Path:
     records = machinery.benchmarks.run_questions(cfg)[:cfg.limit or None]  # bad input ends here
     batches = question_batches(records, cfg)
     # test-time RL is scored on the questions it trains on (--eval-on)
-    questions = machinery.evals.eval_questions(records, batches, cfg)
-    coverage = machinery.evals.coverage(questions, batches, cfg)
+    questions, coverage = machinery.evals.eval_questions(records, batches, cfg)
     with clock("load"):
         learner, start = setup(cfg, accelerator, records, batches)
     run_dir, log = learner.run_dir, machinery.loop.metrics_logger(learner.run_dir, accelerator)

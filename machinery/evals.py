@@ -40,8 +40,9 @@ VERIFIER_ONLY = {"verify", "verifier_model", "omega", "verify_budget", "lazy_ver
                  "verifier_backend", "verifier_programs", "verifier_agreement", "verifier_repair"}
 
 
-def eval_questions(records: list[dict], batches: list[list[dict]], cfg: Config) -> list[dict]:
-    """The questions every evaluation of the run covers, in benchmark order."""
+def eval_questions(records: list[dict], batches: list[list[dict]], cfg: Config):
+    """The questions every evaluation of the run covers, in benchmark order, and what an evaluation
+    row says about them (the set, how many, how many trained)."""
     trained = {rec["id"] for batch in batches for rec in batch}
     chosen = {"trained": [r for r in records if r["id"] in trained], "all": list(records),
               "held-out": [r for r in records if r["id"] not in trained]}[cfg.eval_on]
@@ -49,14 +50,8 @@ def eval_questions(records: list[dict], batches: list[list[dict]], cfg: Config) 
         raise OptionError(f"--eval-on {cfg.eval_on}: the run's steps visit all {len(records)} "
                           f"questions, so none is held out; raise --limit (0 = the whole "
                           f"benchmark) or lower --max-steps")
-    return chosen
-
-
-def coverage(questions: list[dict], batches: list[list[dict]], cfg: Config) -> dict:
-    """What an evaluation row says about its questions: the set, how many, how many trained."""
-    trained = {rec["id"] for batch in batches for rec in batch}
-    return {"eval_on": cfg.eval_on, "questions": len(questions),
-            "trained_questions": sum(rec["id"] in trained for rec in questions)}
+    return chosen, {"eval_on": cfg.eval_on, "questions": len(chosen),
+                    "trained_questions": sum(rec["id"] in trained for rec in chosen)}
 
 
 def log_questions(run_dir: Path, step: int, rows: list[dict], accelerator):
@@ -115,34 +110,35 @@ def read_entry(path: Path) -> dict | None:
         return None
 
 
-def load_cached(cfg: Config, questions: list[dict], accelerator) -> list[dict] | None:
+def load_cached(cfg: Config, questions: list[dict], accelerator):
     """The step-0 evaluation's per-question rows from the cache (every process gets the main
-    process's answer), or None when it has not been made with these settings."""
+    process's answer), or None when it has not been made with these settings; and where store keeps
+    it (the file and the verified vote's key; None on the other processes or with --eval-cache
+    none)."""
     rows, path = None, cache_path(cfg, questions) if accelerator.is_main_process else None
-    if path:
+    slot = path and (path, cache_key(cfg, questions, "verdicts"))
+    if slot:
         entry = read_entry(path)
-        verdicts = cache_key(cfg, questions, "verdicts")
-        if entry and (not verifies(cfg) or verdicts in entry["votes"]):
-            votes = entry["votes"].get(verdicts, [{}] * len(entry["rows"]))
+        if entry and (not verifies(cfg) or slot[1] in entry["votes"]):
+            votes = entry["votes"].get(slot[1], [{}] * len(entry["rows"]))
             rows = [row | vote for row, vote in zip(entry["rows"], votes)]
             print(f"[t3rl] evaluation at step 0 taken from {path}: an earlier run evaluated the "
                   f"same model on the same questions with the same settings, seed and code "
                   f"(--eval-cache none evaluates again)", file=sys.stderr)
-    return broadcast_object_list([rows])[0]
+    return broadcast_object_list([rows])[0], slot
 
 
-def store(cfg: Config, questions: list[dict], rows: list[dict], accelerator):
-    """Keep the step-0 evaluation's rows: the samples' part, and the verified vote under its
-    verifier's key."""
-    path = cache_path(cfg, questions) if accelerator.is_main_process else None
-    if not path:
+def store(cfg: Config, rows: list[dict], slot):
+    """Keep the step-0 evaluation's rows in load_cached's slot: the samples' part, and the verified
+    vote under its verifier's key."""
+    if not slot:
         return
+    path, verdicts = slot
     entry = read_entry(path) or {"votes": {}}
     keys = vote_keys(rows)
     entry["rows"] = [{k: v for k, v in row.items() if k not in keys} for row in rows]
     if verifies(cfg):
-        entry["votes"][cache_key(cfg, questions, "verdicts")] = [{k: row[k] for k in keys}
-                                                                 for row in rows]
+        entry["votes"][verdicts] = [{k: row[k] for k in keys} for row in rows]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, json.dumps(entry))
