@@ -311,6 +311,7 @@ def train(cfg: Config) -> Path:
         with clock("evaluation"):
             evaluation(len(batches), final=True)
     if accelerator.is_main_process:
+        machinery.runs.drop_fallback(run_dir)
         print(machinery.metrics.summary(run_dir))
         print(machinery.metrics.time_line(clock | {"wall": time.time() - started}))
         machinery.metrics.plot_run(run_dir)

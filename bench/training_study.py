@@ -104,12 +104,21 @@ def steps_per_episode(n_questions: int, questions_per_step: int) -> int:
     return math.ceil(n_questions / questions_per_step)  # --no-drop-last: every question, each pass
 
 
+def relative(path: Path) -> str:
+    """path from the working directory when it is below it: config.json then names the same file
+    in another checkout, and the arms of two sittings compare equal."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
 def arm_argv(arm: str, selection: dict, results: Path, out_dir: str, extra: list[str]) -> list:
     """t3rl's command line for an arm: SETTINGS on the selection's benchmark and questions, the
     arm's omega, an evaluation (and a checkpoint) after every episode; `extra` last (tests)."""
     per_episode = steps_per_episode(len(selection["questions"]), SETTINGS["questions_per_step"])
     options = {**SETTINGS, "bench": selection["bench"], "omega": ARMS[arm],
-               "question_ids": str(results / "questions.txt"), "drop_last": False,
+               "question_ids": relative(results / "questions.txt"), "drop_last": False,
                "eval_every": per_episode, "save_every": per_episode, "out_dir": out_dir,
                "run_name": f"training-study-{arm}"}
     argv = [f"--{key.replace('_', '-')}={value}" for key, value in options.items()

@@ -1,5 +1,5 @@
-"""The run folder: config.json, metrics.jsonl, rollouts.jsonl, evaluations.jsonl, checkpoint/ and
-the one before it, checkpoint.old/.
+"""The run folder: config.json, metrics.jsonl, rollouts.jsonl, evaluations.jsonl, checkpoint/ and,
+until the run finishes, the one before it, checkpoint.old/.
 
 Every file is replaced atomically (written aside, then renamed; files.py) or appended to, so a kill
 at any moment leaves a folder that --resume can continue: resume drops a half-written last JSONL
@@ -102,6 +102,13 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
             os.replace(final, old)
         os.replace(tmp, final)
     accelerator.wait_for_everyone()
+
+
+def drop_fallback(run_dir: Path) -> None:
+    """A finished run cannot resume, so checkpoint.old/ (the fallback for a damaged newest one)
+    only holds disk: remove it once checkpoint/ is whole. Call on the main process only."""
+    if (run_dir / "checkpoint").is_dir() and checkpoint_damage(run_dir / "checkpoint") is None:
+        shutil.rmtree(run_dir / "checkpoint.old", ignore_errors=True)
 
 
 def checkpoint_damage(checkpoint: Path) -> str | None:

@@ -63,7 +63,8 @@ def patched(monkeypatch):
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, tokenizer):
-    """A finished 4-step tiny run (checkpoints at steps 2 and 4) and the model and benchmark it used."""
+    """A finished 4-step tiny run (checkpoints at steps 2 and 4, the step-2 one kept as checkpoint.old/
+    so that tests can cut the run back to it) and the model and benchmark it used."""
     root = tmp_path_factory.mktemp("finished")
     make_tiny_model(len(tokenizer)).save_pretrained(root / "tiny")
     tokenizer.save_pretrained(root / "tiny")
@@ -72,6 +73,7 @@ def finished_run(tmp_path_factory, tokenizer):
         mp.setenv("T3RL_DATA_DIR", str(root / "data"))
         mp.setattr(domains, "extract_answer", fake_answer)
         mp.setattr(t3rl, "build_verifier", lambda cfg, device: scripted_verifier if cfg.verify else None)
+        mp.setattr(t3rl.machinery.runs, "drop_fallback", lambda run_dir: None)
         run = t3rl.train(parse_config(tiny_argv(root / "tiny", root / "out", max_steps=4, save_every=2)))
     assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
     return run

@@ -103,7 +103,21 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_p
     assert "resuming after step 2" in err
     assert_same_run(run, finished_run)  # steps 3 and 4 computed again, to the same numbers and weights
     assert (run / "checkpoint.damaged" / "model").is_dir()
-    assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
+    assert torch.load(run / "checkpoint" / "state.pt", weights_only=False)["step"] == 4
+    assert not (run / "checkpoint.old").exists()  # the resumed run finished: no fallback kept
+
+
+def test_a_finished_run_keeps_only_its_last_checkpoint(tiny_dir, tmp_path, monkeypatch, patched):
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    fallbacks, drop = [], runs.drop_fallback
+    monkeypatch.setattr(runs, "drop_fallback", lambda run_dir: (
+        fallbacks.append(torch.load(run_dir / "checkpoint.old" / "state.pt", weights_only=False)["step"]),
+        drop(run_dir)))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=4, save_every=2)))
+    assert fallbacks == [2]  # the step-2 checkpoint was the fallback until the run finished
+    assert not (run / "checkpoint.old").exists()
+    assert torch.load(run / "checkpoint" / "state.pt", weights_only=False)["step"] == 4
 
 
 def test_truncated_weights_are_a_damaged_checkpoint(finished_run, tmp_path):
@@ -122,6 +136,7 @@ def test_resume_drops_torn_last_lines_and_a_stale_checkpoint_old(finished_run, t
     for leftover in ("checkpoint.old", "checkpoint.tmp"):
         (run / leftover / "model").mkdir(parents=True)
         (run / leftover / "model" / "junk.bin").write_bytes(b"0" * 100)
+    monkeypatch.setattr(runs, "drop_fallback", lambda run_dir: None)  # keep the one that replaced it
     resume(run, finished_run, monkeypatch)
     err = capsys.readouterr().err
     assert "metrics.jsonl:" in err and "rollouts.jsonl:" in err and err.count("dropped a half-written last line") == 2

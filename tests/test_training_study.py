@@ -89,13 +89,14 @@ def test_an_arm_trains_on_the_selection_and_copies_its_small_outputs(tiny_dir, t
     tiny = [arg for arg in tiny_argv(tiny_dir, tmp_path, episodes=2)
             if not arg.startswith(("--out-dir", "--run-name", "--max-steps", "--eval-every",
                                    "--save-every", "--questions-per-step", "--preset", "--eval-samples"))]
+    monkeypatch.chdir(tmp_path)  # the ids file is named from the working directory (another checkout)
     training_study.main(["--results", str(results), "arm", "t3rl", "--out-dir", str(tmp_path / "runs"),
                          "--", "--eval-samples=2", *tiny])
     copied = results / "t3rl"
     assert sorted(p.name for p in copied.iterdir()) == [
         "config.json", "evaluations.jsonl", "metrics.jsonl", "shares.jsonl"]  # no checkpoint, no rollouts
     config = json.loads((copied / "config.json").read_text())
-    assert config["omega"] == 5.0 and config["question_ids"] == str(results / "questions.txt")
+    assert config["omega"] == 5.0 and config["question_ids"] == "results/questions.txt"
     # 3 questions at 3 a step: one step an episode, an evaluation after each
     assert {r["step"] for r in rows(copied, "evaluations.jsonl")} == {0, 1, 2}
     assert {r["id"] for r in rows(copied, "evaluations.jsonl")} == {"q0", "q2", "q3"}
