@@ -10,13 +10,13 @@ verifies each training step's saved rollouts of a run twice with its verifier, e
 --verify-budget says) and lazily (--lazy-verify: only what can change the vote), and prints seconds,
 prompts, tokens and whether the labels agree. --solutions measures verify_batch's options on
 human-written MATH solutions: the right trace and the same trace with its last box changed;
---memory ON OFF compares two runs with and without the verdict memory.
+--memory RUN verifies a run's later episodes again without its verdict memory.
 
     python -m bench.verifier --measure [--bench knk] [--problems 60]
                              [--verifiers coder-0.5b coder-1.5b]
     python -m bench.verifier --solutions 8 --verifiers coder-1.5b --max-new-tokens 1024
-                             [--programs 3] [--agreement share] [--no-repair]
-    python -m bench.verifier --memory runs/mem-on runs/mem-off
+                             [--programs 1] [--agreement share] [--no-repair]
+    python -m bench.verifier --memory runs/training-study-t3rl
     python -m bench.verifier --demo
     python -m bench.verifier --steps runs/RUN
 """
@@ -26,6 +26,8 @@ import os
 import re
 import time
 from fractions import Fraction
+from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -367,40 +369,81 @@ def replay_steps(run_dir, seed):
           f"ratio {totals[1] / totals[0]:.2f}")
 
 
-def memory_effect(run_with, run_without):
-    """--memory ON OFF: two runs of the same settings over the same questions, with and without
-    --verdict-memory: per step its episode, verifier tokens and programs written in both, the
-    verdicts the memory reused and how many questions got the same label as verifying afresh."""
-    runs = [(json.load(open(os.path.join(run, "config.json"))),
-             {row["step"]: row for row in map(json.loads, open(os.path.join(run, "metrics.jsonl")))
-              if row.get("kind") == "train"},
-             {(row["step"], row["id"]): row["label"]
-              for row in map(json.loads, open(os.path.join(run, "rollouts.jsonl")))})
-            for run in (run_with, run_without)]
-    if not runs[0][0]["verdict_memory"] or runs[1][0]["verdict_memory"]:
-        raise SystemExit(f"--memory {run_with} {run_without}: pass the run with --verdict-memory "
-                         f"first and the one without it second")
-    seen, episodes = {}, {}
-    for step, qid in sorted(runs[0][2]):
-        episodes[step] = seen.get(qid, 0) if step not in episodes else episodes[step]
-        seen[qid] = seen.get(qid, 0) + 1
-    print(f"{'step':>4}{'episode':>8}{'tokens on/off':>15}{'programs on/off':>17}{'reused':>8}"
-          f"{'labels same':>13}")
-    totals = {}
-    for step in sorted(set(runs[0][1]) & set(runs[1][1])):
-        on, off = runs[0][1][step], runs[1][1][step]
-        labels = [runs[0][2][key] == runs[1][2].get(key) for key in runs[0][2] if key[0] == step]
-        print(f"{step:>4}{episodes[step] + 1:>8}"
-              f"{on['verifier_tokens']:>8}/{off['verifier_tokens']:<6}"
-              f"{on['programs_written']:>10}/{off['programs_written']:<6}"
-              f"{on['verdicts_reused']:>8}{sum(labels):>8}/{len(labels):<4}")
-        total = totals.setdefault(episodes[step] + 1, [0, 0, 0, 0, 0])
-        for k, x in enumerate((on["verifier_tokens"], off["verifier_tokens"], 1,
-                               sum(labels), len(labels))):
-            total[k] += x
-    for episode, (on, off, steps, same, questions) in sorted(totals.items()):
-        print(f"episode {episode}: verifier tokens per step {on / steps:.0f} with the memory, "
-              f"{off / steps:.0f} without; labels the same on {same} of {questions} questions")
+def memory_replay(run_dir, verifier=None):
+    """--memory RUN: a run with --verdict-memory against verifying afresh, on its own rollouts.
+    Every step in which a question comes back (its second episode on) has its saved rollouts
+    verified again without the memory, by t3rl.verify_groups with the run's verifier, settings and
+    seeds (verifier: another callable, for tests). Prints per step its episode, the verifier tokens
+    and programs both ways, the verdicts the memory reused and the questions whose label is the
+    same both ways, then per episode tokens a step and label accuracy against the gold (reported,
+    never trained on). Returns the per-episode rows."""
+    import t3rl
+    from machinery.files import read_jsonl_rows
+    from machinery.options import resumed_config
+    from sandbox import SandboxPool
+    run_dir = Path(run_dir)
+    cfg = resumed_config({"resume": str(run_dir)})
+    if not (cfg.verdict_memory and cfg.verify):
+        raise SystemExit(f"--memory {run_dir}: the run has no verdict memory; pass a run trained "
+                         f"with --verdict-memory")
+    domain = domain_of(cfg.bench, cfg.answer_rule)
+    records = {rec["id"]: rec for rec in load_bench(cfg.bench)}
+    metrics = {row["step"]: row for row in read_jsonl_rows(run_dir / "metrics.jsonl")
+               if row.get("kind") == "train"}
+    steps = {}
+    for row in read_jsonl_rows(run_dir / "rollouts.jsonl"):
+        steps.setdefault(row["step"], {}).setdefault(row["id"], []).append(row)
+    verifier = verifier or t3rl.build_verifier(cfg, "cpu")
+    seen, totals = {}, {}
+    print(f"{run_dir}: omega {cfg.omega}, {cfg.verifier_programs} programs "
+          f"({cfg.verifier_agreement}), repair {cfg.verifier_repair}, budget {cfg.verify_budget}, "
+          f"lazy {cfg.lazy_verify}, {cfg.verifier_max_new_tokens} verifier tokens")
+    print(f"{'step':>4}{'episode':>8}{'tokens mem/afresh':>19}{'programs mem/afresh':>21}"
+          f"{'reused':>8}{'labels same':>13}")
+    with SandboxPool(timeout=cfg.sandbox_timeout) as pool:
+        for step, questions in sorted(steps.items()):
+            episode = max(seen.get(qid, 0) for qid in questions) + 1
+            for qid in questions:
+                seen[qid] = seen.get(qid, 0) + 1
+            row = metrics.get(step)
+            if row is None:
+                continue  # a step whose metrics were never written (a cut run)
+            gold = [records[qid]["answer"] for qid in questions]
+            kept = [rows[0]["label"] for rows in questions.values()]
+            total = totals.setdefault(episode, dict(steps=0, memory=0, afresh=0, same=0,
+                                                    questions=0, right_memory=0, right_afresh=0))
+            afresh_tokens, afresh_programs, fresh = row["verifier_tokens"], None, kept
+            if episode > 1:  # the memory may have spoken: verify again without it
+                recs = [records[qid] for qid in questions]
+                groups = [[SimpleNamespace(text=r["text"]) for r in rows]
+                          for rows in questions.values()]
+                answers = [[r["answer"] for r in rows] for rows in questions.values()]
+                judged = t3rl.verify_groups(recs, groups, answers, verifier, pool, cfg,
+                                            step=step)
+                fresh = [weighted_vote(ans, [res.v for res in ver], cfg.omega,
+                                       **domain.classes).label
+                         for ans, ver in zip(answers, judged)]
+                flat = [res for ver in judged for res in ver]
+                afresh_tokens = sum(res.tokens or 0 for res in flat)
+                afresh_programs = sum(map(verdicts.programs_written, flat))
+            same = sum(a == b for a, b in zip(kept, fresh))
+            right = lambda labels: sum(label is not None and bool(domain.equiv(label, g))  # noqa
+                                       for label, g in zip(labels, gold))
+            for key, value in (("steps", 1), ("memory", row["verifier_tokens"]),
+                               ("afresh", afresh_tokens), ("same", same),
+                               ("questions", len(kept)), ("right_memory", right(kept)),
+                               ("right_afresh", right(fresh))):
+                total[key] += value
+            programs = "-" if afresh_programs is None else afresh_programs
+            print(f"{step:>4}{episode:>8}{row['verifier_tokens']:>10}/{afresh_tokens:<8}"
+                  f"{row['programs_written']:>11}/{programs!s:<9}{row['verdicts_reused']:>8}"
+                  f"{same:>8}/{len(kept):<4}", flush=True)
+    for episode, t in sorted(totals.items()):
+        print(f"episode {episode}: verifier tokens per step {t['memory'] / t['steps']:.0f} with "
+              f"the memory, {t['afresh'] / t['steps']:.0f} afresh; labels the same on "
+              f"{t['same']} of {t['questions']}; label accuracy {t['right_memory']} / "
+              f"{t['right_afresh']} of {t['questions']} (memory / afresh)")
+    return totals
 
 
 def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written=None):
@@ -443,17 +486,17 @@ def main():
                         help="verify the right and a changed-box trace of PER_LEVEL human MATH "
                         "solutions per level (math500_solutions_dev.jsonl) with the first "
                         "--verifiers model and the options below")
-    parser.add_argument("--programs", type=int, default=1,
-                        help="--solutions: programs per trace (verify_batch's programs)")
+    parser.add_argument("--programs", type=int, default=3,
+                        help="--solutions: programs per trace (default 3, verify_batch's)")
     parser.add_argument("--agreement", choices=["any", "share"], default="any",
                         help="--solutions: v from the programs (verify_batch's agreement)")
     parser.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
                         help="--solutions: the repair turn for failed programs")
     parser.add_argument("--log", default="runs/verifier-solutions.jsonl",
                         help="--solutions: where every verdict and program goes")
-    parser.add_argument("--memory", nargs=2, metavar=("ON", "OFF"),
-                        help="compare two runs over the same questions, with --verdict-memory "
-                        "and without: verifier tokens per step and labels")
+    parser.add_argument("--memory", metavar="RUN",
+                        help="a run with --verdict-memory: its steps from the second episode on "
+                        "verified again without the memory; verifier tokens per step and labels")
     parser.add_argument("--verifiers", nargs="+", default=list(MEASURED),
                         help=f"verifier models, any --model value (default: {' '.join(MEASURED)})")
     parser.add_argument("--problems", type=int, default=60,
@@ -479,7 +522,7 @@ def main():
                           dict(programs=args.programs, agreement=args.agreement,
                                repair=args.repair), args.log)
     elif args.memory:
-        memory_effect(*args.memory)
+        memory_replay(args.memory)
     elif args.demo:
         demo(args.verifiers[0], args.max_new_tokens, args.seed)
     elif args.steps:

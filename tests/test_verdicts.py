@@ -174,3 +174,34 @@ def test_verify_batch_defaults_are_what_a_training_step_runs():
     cfg = Config()
     assert (defaults["programs"], defaults["agreement"], defaults["repair"]) == (
         cfg.verifier_programs, cfg.verifier_agreement, cfg.verifier_repair)
+
+
+def test_bench_memory_verifies_the_later_episodes_again_without_the_memory(tiny_dir, tmp_path, monkeypatch):
+    """bench.verifier --memory RUN: every rollout answers 2, whose class a program reproduces in
+    episode 1; episode 2 reuses that verdict without a program, and verified again without the
+    memory it writes one program a question, with the same labels."""
+    import t3rl
+    from bench import verifier as bench_verifier
+    from helpers import QUESTIONS, tiny_argv, write_bench
+    from machinery import domains
+    from machinery.options import parse_config
+    from verifier import VerifierReply
+
+    def writes_two(prompts):  # "print(1 + 1)" reproduces the answer 2, in 7 tokens
+        asked.append(len(prompts))
+        return [VerifierReply(block("print(1 + 1)"), 7) for _ in prompts]
+    asked = []
+    write_bench(tmp_path / "data", QUESTIONS[:2])
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr(domains, "extract_answer", lambda text: "2")
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device: writes_two)
+    run = t3rl.train(parse_config(tiny_argv(
+        tiny_dir, tmp_path / "out", episodes=2, max_steps=0, limit=2, questions_per_step=2,
+        eval_samples=0, verifier_programs=1, verifier_repair=False, lazy_verify=False)))
+    metrics = [r for r in map(json.loads, open(run / "metrics.jsonl")) if r.get("kind") == "train"]
+    assert [(r["programs_written"], r["verdicts_reused"]) for r in metrics] == [(2, 0), (0, 8)]
+    asked.clear()
+    totals = bench_verifier.memory_replay(run, verifier=writes_two)
+    assert asked == [2]  # episode 2 alone, verified again: one program per question (budget 1)
+    assert (totals[1]["memory"], totals[2]["memory"], totals[2]["afresh"]) == (14, 0, 14)
+    assert totals[2]["same"] == totals[2]["questions"] == 2
