@@ -154,6 +154,9 @@ def test_the_report_pairs_the_arms_over_questions_from_the_committed_files(tmp_p
     lines = [line.strip() for line in text.splitlines()]
     assert "disagree  t3rl - ttrl  +0.250 [+0.250, +0.250]" in lines
     assert "control   t3rl - ttrl  +0.000 [+0.000, +0.000]" in lines
+    # T3RL - TTRL is +0.25 on 4 questions and 0 on 4: sd 0.1336, (1.96 * 0.1336 / 0.016)^2 = 267.97
+    assert ("scale: T3RL - TTRL spreads over questions with sd 0.134; at that spread an interval "
+            "excluding 0 for the paper's +0.016 needs 268 questions") in lines
     own = [line for line in lines if line.startswith("disagree  t3rl         +0.375 [")]
     assert len(own) == 1 and "[+0.375, +0.375]" not in own[0]  # each arm's own change spreads
     assert own[0].endswith("(n 4: 0.250 -> 0.625)")
