@@ -8,19 +8,19 @@ where they agree (the control), each arm from the same weights with the same see
   arm A    train arm A (ttrl: --omega 1, t3rl: the default omega) on exactly those questions
            (--question-ids), evaluating before, after every episode and at the end at avg@8, then
            copy its small outputs into results/training-study/A/
-  report   from the committed files alone (report.txt, share.png): per arm and for T3RL - TTRL the change in avg@k on the
-           disagreeing questions and on the control (paired bootstrap over questions), the label
-           accuracy per episode, and the share of T3RL's starting answer in each arm's rollouts on
-           the disagreeing questions where that answer is right (share.png)
+  report   from the committed files alone (report.txt, share.png): per arm and for T3RL - TTRL
+           the change in avg@k on the disagreeing questions and on the control (paired bootstrap
+           over questions), the label accuracy per episode, and the share of T3RL's starting
+           answer in each arm's rollouts on the disagreeing questions where that answer is right
 
-  python t3rl.py --study --bench math500 --limit 60 --n-votes 8 --verifier-model coder-1.5b \\
-      --max-new-tokens 320 --verify-budget 0 --no-lazy-verify --run-name training-study-selection
-  python -m bench.training_study select runs/training-study-selection --levels 1 2 3
-  python -m bench.training_study arm ttrl        # ~60 min on 2 CPU cores; one sitting each
+  python t3rl.py --study --bench demo --limit 0 --n-votes 8 --verifier-model coder-1.5b \\
+      --verify-budget 0 --no-lazy-verify --run-name training-study-selection   # ~35 min
+  python -m bench.training_study select runs/training-study-selection
+  python -m bench.training_study arm ttrl        # 70-80 min on 2 CPU cores; one sitting each
   python -m bench.training_study arm t3rl
   python -m bench.training_study report
 
-Sizes and why: docs/results.md#the-training-study.
+Sizes, times and results: docs/results.md#the-training-study-where-the-two-votes-disagree.
 """
 import argparse
 import json
@@ -40,8 +40,8 @@ from voting import weighted_vote
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "training-study"
 ARMS = {"ttrl": 1.0, "t3rl": 5.0}  # omega of each arm; 5 is Config's default
 GROUPS = ("disagree", "control")
-# one arm in ~60 min on 2 CPU cores: 12 questions, 4 steps of 3 an episode (~80 s each), 8
-# episodes, 9 evaluations of 12 questions at avg@8 (~100 s each)
+# one arm in 70-80 min on 2 CPU cores with 10 questions: 4 steps of at most 3 an episode (~70 s
+# each), 8 episodes, 9 evaluations at avg@8 (~100 s each, T3RL's verifying its samples too)
 SETTINGS = dict(preset="cpu", verifier_model="coder-1.5b", n_votes=8, n_train=4,
                 max_new_tokens=320, questions_per_step=3, episodes=8, lr=2e-6, eval_samples=8,
                 eval_on="trained", limit=0, max_steps=0, seed=0)

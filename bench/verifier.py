@@ -395,6 +395,10 @@ def memory_replay(run_dir, verifier=None):
         steps.setdefault(row["step"], {}).setdefault(row["id"], []).append(row)
     verifier = verifier or t3rl.build_verifier(cfg, "cpu")
     seen, totals = {}, {}
+
+    def right(labels, gold):  # for the report only
+        return sum(label is not None and bool(domain.equiv(label, g))
+                   for label, g in zip(labels, gold))
     print(f"{run_dir}: omega {cfg.omega}, {cfg.verifier_programs} programs "
           f"({cfg.verifier_agreement}), repair {cfg.verifier_repair}, budget {cfg.verify_budget}, "
           f"lazy {cfg.lazy_verify}, {cfg.verifier_max_new_tokens} verifier tokens")
@@ -427,12 +431,10 @@ def memory_replay(run_dir, verifier=None):
                 afresh_tokens = sum(res.tokens or 0 for res in flat)
                 afresh_programs = sum(map(verdicts.programs_written, flat))
             same = sum(a == b for a, b in zip(kept, fresh))
-            right = lambda labels: sum(label is not None and bool(domain.equiv(label, g))  # noqa
-                                       for label, g in zip(labels, gold))
             for key, value in (("steps", 1), ("memory", row["verifier_tokens"]),
                                ("afresh", afresh_tokens), ("same", same),
-                               ("questions", len(kept)), ("right_memory", right(kept)),
-                               ("right_afresh", right(fresh))):
+                               ("questions", len(kept)), ("right_memory", right(kept, gold)),
+                               ("right_afresh", right(fresh, gold))):
                 total[key] += value
             programs = "-" if afresh_programs is None else afresh_programs
             print(f"{step:>4}{episode:>8}{row['verifier_tokens']:>10}/{afresh_tokens:<8}"

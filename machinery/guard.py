@@ -11,9 +11,10 @@ through every assignment to them (tuple unpacking position by position, loops, a
 walrus), and the program's own functions through their returns. Arithmetic carries it only where it
 keeps the value (1320 * 1, 1320 + 0; not len(s) // 2 for the answer 2), and control flow does not
 carry it (`if x == 1320: print(x)` is a check, not a copy). A Python program whose printed result
-matches the candidate is refused when its last print(...) shows a tainted value. Recomputations from
-the problem's numbers stay clean: print(11 * 120) when the problem gives 11 and 120,
-print(math.comb(12, 3)).
+matches the candidate is refused when its last print(...) shows a tainted value, or the answer as a
+bare constant (a literal through names bound once and conversions: `x = 2; print(x)`), which
+computes nothing even when the problem gives the number. Recomputations from the problem's numbers
+stay clean: print(11 * 120) when the problem gives 11 and 120, print(math.comb(12, 3)).
 
 hardcoded(code, problem, answer) is what verify_batch asks (through the math Domain) of every
 program whose printed result matches the rollout's answer.
@@ -28,7 +29,8 @@ from answers import answer_key
 def hardcoded(code, problem, answer):
     """True when the value printed last by the program carries the candidate `answer` copied in as a
     literal that the `problem` text does not supply (the module's docstring says how). A program
-    that does not parse is not hard-coded: it cannot run either, and the tool reports the error."""
+    that does not parse is not hard-coded: it cannot run either, and the tool reports the error.
+    A bare constant worth the answer is hard-coded whatever the problem says."""
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError):
@@ -40,11 +42,14 @@ def hardcoded(code, problem, answer):
         return False
     last = max(prints, key=lambda node: (node.lineno, node.col_offset))
     taint = _Taint(tree, problem, answer)
-    return any(taint.carries(arg) for arg in last.args)
+    return any(taint.carries(arg) or taint.constant(arg) for arg in last.args)
 
 
 _PROBLEM_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 _EXACT_CALLS = {"Fraction", "Rational"}
+# calls that keep a single argument's value: print(int(2)) prints the constant 2
+_CONVERSIONS = {"int", "float", "str", "abs", "round", "Fraction", "Integer", "Rational", "Float",
+                "S", "sympify", "nsimplify", "simplify"}
 
 
 def _value(text):
@@ -101,6 +106,19 @@ class _Taint:
         word = re.escape(constant.value.strip())
         return bool(word) and \
             re.search(rf"(?<!\w){word}(?!\w)", self.problem, re.IGNORECASE) is not None
+
+    def constant(self, node, seen=frozenset()):
+        """Is the node the answer as a bare constant: a literal worth it, through names bound once
+        (a second binding is control flow choosing a value) and value-keeping conversions?"""
+        if isinstance(node, ast.Constant):
+            return self._is_answer(node)
+        if isinstance(node, ast.Name) and node.id not in seen:
+            bound = self.bindings.get(node.id, [])
+            return len(bound) == 1 and self.constant(bound[0], seen | {node.id})
+        if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
+            called = getattr(node.func, "id", getattr(node.func, "attr", None))
+            return called in _CONVERSIONS and self.constant(node.args[0], seen)
+        return False
 
     def carries(self, node, seen=frozenset()):
         if isinstance(node, ast.Constant):

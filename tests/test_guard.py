@@ -11,7 +11,7 @@ def test_a_small_answer_used_as_a_constant_is_no_copy():
 
 
 def test_a_value_the_problem_supplies_or_another_answer_is_no_copy():
-    assert not hardcoded("print(1320)", "What is 1320 divided by 1?", "1320")
+    assert not hardcoded("print(1320 // 1)", "What is 1320 divided by 1?", "1320")
     assert not hardcoded("print(1320)", GUARD_PROBLEM, "1321")
     assert hardcoded("from fractions import Fraction\nprint(Fraction(3, 4))", "Find the ratio p/q.", "\\frac34")
     assert not hardcoded("from fractions import Fraction\nprint(Fraction(3, 4))", "3 of every 4 cats ...", "\\frac34")
@@ -23,3 +23,17 @@ def test_a_word_the_problem_offers_is_no_copy():
     assert not hardcoded(chosen, problem, "\\text{east}")
     assert hardcoded(chosen, "She spins 2250 degrees to her right. Which way is she facing?", "\\text{east}")
     assert hardcoded("print('Evelyn')", "Which student ran fastest?", "\\text{Evelyn}")
+
+
+def test_a_bare_constant_computes_nothing_even_when_the_problem_gives_it():
+    """Both verified a wrong answer on human MATH solutions (2026-12-06): the literal is in the
+    problem, but the program prints it without computing anything."""
+    problem = "What is the smallest integer x for which f(x) = sqrt(x - 1) / (x - 2) is defined?"
+    assert hardcoded("x_value = 2\nprint(x_value)", problem, "2")
+    assert hardcoded("import sympy\nresult = sympy.Integer(1)\nprint(result)", problem, "1")
+    assert hardcoded("print(1320)", "What is 1320 divided by 1?", "1320")
+    assert hardcoded("print('east')", "Is she facing north, south, east or west?", "\\text{east}")
+    # a value control flow chooses, or one computed, is not a bare constant
+    assert not hardcoded("x = 1\nif 2 > 3:\n    x = 2\nprint(x)", problem, "1")
+    assert not hardcoded("x = 3 - 1\nprint(x)", problem, "2")
+    assert not hardcoded("x_value = 2\nprint(x_value)", problem, "3")
