@@ -238,6 +238,7 @@ def change_lines(present: dict, ids: dict, seed: int) -> list[str]:
     """avg@k after minus before, per group, per arm and for T3RL - TTRL, paired over questions."""
     lines = ["", "change in avg@k (last evaluation - before training), 95% paired bootstrap "
                  "intervals over questions"]
+    diffs = []
     for group, qids in ids.items():
         if not qids:
             continue
@@ -251,19 +252,20 @@ def change_lines(present: dict, ids: dict, seed: int) -> list[str]:
                          f"(n {len(qids)}: {before.mean():.3f} -> {after.mean():.3f})")
         if len(changes) == 2:
             diff = changes["t3rl"] - changes["ttrl"]
+            diffs.append(diff)
             lo, hi = interval(diff, draws)
             lines.append(f"  {group:<9} {'t3rl - ttrl':<12} {diff.mean():+.3f} "
                          f"[{lo:+.3f}, {hi:+.3f}]")
-    if len(present) == 2:
-        lines.append(scale_line(present, [qid for qids in ids.values() for qid in qids]))
+    if diffs:
+        lines.append(scale_line(np.concatenate(diffs)))
     return lines
 
 
-def scale_line(present: dict, qids: list[str]) -> str:
+def scale_line(diff: np.ndarray) -> str:
     """How many questions a 95 % interval that excludes 0 for the paper's effect needs, at the
-    spread over questions of this study's T3RL - TTRL: n >= (1.96 sd / effect)^2."""
-    changes = {arm: np.subtract(*avg_at_ends(present[arm], qids)[::-1]) for arm in ARMS}
-    spread = float(np.std(changes["t3rl"] - changes["ttrl"], ddof=1))
+    spread of T3RL - TTRL over this study's questions (diff: [questions]): n >= (1.96 sd /
+    effect)^2."""
+    spread = float(np.std(diff, ddof=1))
     needed = math.ceil((1.96 * spread / PAPER_EFFECT) ** 2)
     return (f"  scale: T3RL - TTRL spreads over questions with sd {spread:.3f}; at that spread an "
             f"interval excluding 0 for the paper's +{PAPER_EFFECT:.3f} needs {needed} questions")
