@@ -52,6 +52,11 @@ _CONVERSIONS = {"int", "float", "str", "abs", "round", "Fraction", "Integer", "R
                 "S", "sympify", "nsimplify", "simplify"}
 
 
+def _callee(call):
+    """The called name: Fraction for Fraction(...) and for fractions.Fraction(...)."""
+    return getattr(call.func, "id", getattr(call.func, "attr", None))
+
+
 def _value(text):
     """The exact value of a plain number answer or literal, else None."""
     try:
@@ -91,7 +96,7 @@ class _Taint:
         lacks."""
         if not (isinstance(node, ast.Call) and len(node.args) == 2
                 and self.answer_value is not None
-                and getattr(node.func, "id", getattr(node.func, "attr", None)) in _EXACT_CALLS):
+                and _callee(node) in _EXACT_CALLS):
             return False
         parts = [a.value for a in node.args if isinstance(a, ast.Constant) and type(a.value) is int]
         return parts == [self.answer_value.numerator, self.answer_value.denominator] and \
@@ -116,8 +121,7 @@ class _Taint:
             bound = self.bindings.get(node.id, [])
             return len(bound) == 1 and self.constant(bound[0], seen | {node.id})
         if isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
-            called = getattr(node.func, "id", getattr(node.func, "attr", None))
-            return called in _CONVERSIONS and self.constant(node.args[0], seen)
+            return _callee(node) in _CONVERSIONS and self.constant(node.args[0], seen)
         return False
 
     def carries(self, node, seen=frozenset()):
