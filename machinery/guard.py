@@ -10,11 +10,13 @@ contain. The taint follows data: calls (int(), Fraction(), sympy.Integer(), ...)
 through every assignment to them (tuple unpacking position by position, loops, augmented assignment,
 walrus), and the program's own functions through their returns. Arithmetic carries it only where it
 keeps the value (1320 * 1, 1320 + 0; not len(s) // 2 for the answer 2), and control flow does not
-carry it (`if x == 1320: print(x)` is a check, not a copy). A Python program whose printed result
-matches the candidate is refused when its last print(...) shows a tainted value, or the answer as a
-bare constant (a literal through names bound once and conversions: `x = 2; print(x)`), which
-computes nothing even when the problem gives the number. Recomputations from the problem's numbers
-stay clean: print(11 * 120) when the problem gives 11 and 120, print(math.comb(12, 3)).
+carry it (`if x == 1320: print(x)` is a check, not a copy); a literal in a branch that computed
+control flow picks (`print(2) if disc > 0 else print(0)`) is a choice, not a copy. A Python program
+whose printed result matches the candidate is refused when a print(...) that can come last shows a
+tainted value, or the answer as a bare constant (a literal through names bound once and conversions:
+`x = 2; print(x)`), which computes nothing even when the problem gives the number. Recomputations
+from the problem's numbers stay clean: print(11 * 120) when the problem gives 11 and 120,
+print(math.comb(12, 3)).
 
 hardcoded(code, problem, answer) is what verify_batch asks (through the math Domain) of every
 program whose printed result matches the rollout's answer.
@@ -27,22 +29,89 @@ from answers import answer_key
 
 
 def hardcoded(code, problem, answer):
-    """True when the value printed last by the program carries the candidate `answer` copied in as a
-    literal that the `problem` text does not supply (the module's docstring says how). A program
-    that does not parse is not hard-coded: it cannot run either, and the tool reports the error.
-    A bare constant worth the answer is hard-coded whatever the problem says."""
+    """True when a print that can come last in the program shows the candidate `answer` copied in as
+    a literal that the `problem` text does not supply, or as a bare constant (the module's docstring
+    says how). A program that does not parse is not hard-coded: it cannot run either, and the tool
+    reports the error."""
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError):
         return False
-    prints = [node for node in ast.walk(tree)
-              if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id == "print" and node.args]
-    if not prints or answer is None:
+    if answer is None:
         return False
-    last = max(prints, key=lambda node: (node.lineno, node.col_offset))
     taint = _Taint(tree, problem, answer)
-    return any(taint.carries(arg) or taint.constant(arg) for arg in last.args)
+    return any(taint.carries(arg) or taint.constant(arg)
+               for call in final_prints(tree) for arg in call.args)
+
+
+def _is_print(node):
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            and node.func.id == "print" and bool(node.args))
+
+
+def final_prints(tree) -> list:
+    """The print calls that can be the last one a run executes: the last of each branch that can
+    end the program, through if/else, loops, try, with, match and calls of the program's own
+    functions (else the last print in the source, for prints inside expressions)."""
+    functions = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)}
+
+    def block(body, calling) -> tuple[list, bool]:
+        """(candidates, whether the block surely prints) of a statement list, from its end."""
+        found = []
+        for statement in reversed(body):
+            candidates, sure = one(statement, calling)
+            found += candidates
+            if sure:
+                return found, True
+        return found, False
+
+    def one(node, calling) -> tuple[list, bool]:
+        if isinstance(node, ast.Expr) and _is_print(node.value):
+            return [node.value], True
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) \
+                and getattr(node.value.func, "id", None) in functions \
+                and node.value.func.id not in calling:
+            name = node.value.func.id
+            return block(functions[name].body, calling | {name})
+        if isinstance(node, ast.If):
+            (a, sure_a), (b, sure_b) = block(node.body, calling), block(node.orelse, calling)
+            return a + b, sure_a and sure_b
+        if isinstance(node, (ast.For, ast.While, ast.With, ast.Try, ast.Match)):
+            parts = [getattr(node, name, []) for name in ("body", "orelse", "finalbody")]
+            parts += [h.body for h in getattr(node, "handlers", [])]
+            parts += [case.body for case in getattr(node, "cases", [])]
+            found = [call for part in parts for call in block(part, calling)[0]]
+            return found, isinstance(node, ast.With) and block(node.body, calling)[1]
+        return [], False
+
+    found = block(tree.body, frozenset())[0]
+    prints = [node for node in ast.walk(tree) if _is_print(node)]
+    return found or prints[-1:]
+
+
+def chosen_nodes(tree) -> set:
+    """ids of the nodes in a branch that computed control flow picks (an if, a conditional
+    expression or a match whose test reads a name or a call): a value there is a choice, not a
+    copy."""
+    chosen = set()
+
+    def mark(nodes):
+        for node in nodes:
+            chosen.update(id(child) for child in ast.walk(node))
+
+    for node in ast.walk(tree):
+        test = (node.test if isinstance(node, (ast.If, ast.IfExp))
+                else node.subject if isinstance(node, ast.Match) else None)
+        if test is None or not any(isinstance(n, (ast.Name, ast.Call, ast.Attribute))
+                                   for n in ast.walk(test)):
+            continue
+        if isinstance(node, ast.IfExp):
+            mark([node.body, node.orelse])
+        elif isinstance(node, ast.If):
+            mark(node.body + node.orelse)
+        else:
+            mark([s for case in node.cases for s in case.body])
+    return chosen
 
 
 _PROBLEM_NUMBER = re.compile(r"\d+(?:\.\d+)?")
@@ -74,7 +143,7 @@ class _Taint:
                         _PROBLEM_NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", problem))}
         self.problem = problem
         self.answer_key, self.answer_value = answer_key(answer), _value(answer)
-        self.bindings, self.returns = {}, {}
+        self.bindings, self.returns, self.chosen = {}, {}, chosen_nodes(tree)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.returns[node.name] = [r.value for r in ast.walk(node)
@@ -95,7 +164,7 @@ class _Taint:
         """Fraction(3, 4) / sympy.Rational(3, 4) spelling the answer 3/4 with numbers the problem
         lacks."""
         if not (isinstance(node, ast.Call) and len(node.args) == 2
-                and self.answer_value is not None
+                and self.answer_value is not None and id(node) not in self.chosen
                 and _callee(node) in _EXACT_CALLS):
             return False
         parts = [a.value for a in node.args if isinstance(a, ast.Constant) and type(a.value) is int]
@@ -116,7 +185,7 @@ class _Taint:
         """Is the node the answer as a bare constant: a literal worth it, through names bound once
         (a second binding is control flow choosing a value) and value-keeping conversions?"""
         if isinstance(node, ast.Constant):
-            return self._is_answer(node)
+            return self._is_answer(node) and id(node) not in self.chosen
         if isinstance(node, ast.Name) and node.id not in seen:
             bound = self.bindings.get(node.id, [])
             return len(bound) == 1 and self.constant(bound[0], seen | {node.id})
@@ -126,7 +195,8 @@ class _Taint:
 
     def carries(self, node, seen=frozenset()):
         if isinstance(node, ast.Constant):
-            return self._is_answer(node) and not self._supplied(node)
+            return (self._is_answer(node) and not self._supplied(node)
+                    and id(node) not in self.chosen)
         if self._is_answer_fraction(node):
             return True
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in seen:

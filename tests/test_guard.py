@@ -21,7 +21,9 @@ def test_a_word_the_problem_offers_is_no_copy():
     problem = "She spins 2250 degrees to her right. Which direction (north, south, east or west) is she facing?"
     chosen = "turns = 2250 // 90 % 4\nd = 'east' if turns == 1 else 'north'\nprint(d)"
     assert not hardcoded(chosen, problem, "\\text{east}")
-    assert hardcoded(chosen, "She spins 2250 degrees to her right. Which way is she facing?", "\\text{east}")
+    # the same word copied in without a choice is a copy
+    assert hardcoded("d = 'east'\nprint(d)", "She spins 2250 degrees to her right. Which way is she facing?",
+                     "\\text{east}")
     assert hardcoded("print('Evelyn')", "Which student ran fastest?", "\\text{Evelyn}")
 
 
@@ -37,3 +39,21 @@ def test_a_bare_constant_computes_nothing_even_when_the_problem_gives_it():
     assert not hardcoded("x = 1\nif 2 > 3:\n    x = 2\nprint(x)", problem, "1")
     assert not hardcoded("x = 3 - 1\nprint(x)", problem, "2")
     assert not hardcoded("x_value = 2\nprint(x_value)", problem, "3")
+
+
+def test_a_value_computed_control_flow_picks_is_no_copy_whichever_branch_prints():
+    """Each branch's print can be the last: the verdict may not depend on which one comes last in the
+    source, and a literal that a computed test picks is a choice, not a copy."""
+    problem = "How many real roots does x^2 + 2x + 5 = 0 have?"
+    branches = ("import sympy\nx = sympy.symbols('x')\ndisc = 2**2 - 4*5\n"
+                "if disc > 0:\n    print(2)\nelif disc == 0:\n    print(1)\nelse:\n    print(0)")
+    for answer in ("0", "1", "2"):
+        assert not hardcoded(branches, problem, answer)
+    words = "n = 7\nif n % 2:\n    print('odd')\nelse:\n    print('even')"
+    for answer in ("\\text{odd}", "\\text{even}"):
+        assert not hardcoded(words, "Is 7 odd or even?", answer)
+    # a copy printed in any branch that can end the program is still a copy; a constant test picks nothing
+    copied = "x = 1320\ndisc = 5\nif disc > 0:\n    print(x)\nelse:\n    print(0)"
+    assert hardcoded(copied, "Find the number of ways.", "1320")
+    assert hardcoded("if True:\n    print(1320)", "Find the number of ways.", "1320")
+    assert hardcoded("def main():\n    print(1320)\n\nmain()", "Find the number of ways.", "1320")
