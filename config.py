@@ -18,7 +18,9 @@ ANSWER_RULES = ("strict", "last-number")
 BACKENDS = ("kv", "hf", "vllm")
 PARALLEL_MODES = ("ddp", "fsdp")
 AGREEMENTS = ("any", "share")
-AGGREGATIONS = ("token-mean", "micro-token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# each named for what it computes where it comes from (docs/grpo.md gives the file and line): verl's
+# names give verl's values through its update loop, TRL's its loss types'
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "dapo", "dr_grpo")
 
 
 @dataclass(frozen=True)
@@ -155,9 +157,10 @@ class Config:
                                  Range(1, low_open=True, high_open=False))
     kl_coef: float = option(0.0, "KL loss to the starting policy, verl's low_var_kl (paper: 0; "
                             "TTRL's scripts: 0.001)", NON_NEGATIVE)
-    loss_agg: str = option("token-mean", "loss aggregation (grpo.py): token-mean over the "
-                           "mini-batch, or micro-token-mean, verl's (a token-mean per micro-batch, "
-                           "weighted by its share of the mini-batch's rollouts; TTRL's scripts)",
+    loss_agg: str = option("dapo", "loss aggregation (grpo.py; docs/grpo.md): verl's token-mean "
+                           "(a token-mean per micro-batch, weighted by its share of the mini-batch's "
+                           "rollouts; TTRL's scripts), seq-mean-token-mean, seq-mean-token-sum-norm, "
+                           "or TRL's dapo (one token-mean over the mini-batch) and dr_grpo",
                            AGGREGATIONS)
     micro_batch_tokens: int = option(8192, "tokens per micro-batch "
                                      "(gradient accumulation over the rest)", AT_LEAST_ONE)
@@ -226,8 +229,8 @@ class GRPOSettings:
     kl_coef: float = 0.0           # beta (> 0 needs ref_model)
     # scheduler.step() per optimizer step, or once per call ("step")
     lr_schedule_unit: str = "optimizer-step"
-    agg: str = "token-mean"        # AGG, one of AGGREGATIONS
-    norm_len: int | None = None    # L_max of seq-mean-token-sum-norm: the rollouts' max new tokens
+    agg: str = "dapo"              # AGG, one of AGGREGATIONS
+    norm_len: int | None = None    # L_max of the -sum-norm and dr_grpo: the rollouts' max new tokens
     scale_advantages: bool = True  # divide by the group's std (False: Dr. GRPO)
     temperature: float = 1.0       # T: the sampling temperature, log pi = log softmax(logits / T)
     token_budget: int = 4096       # padded tokens per micro-batch (gradient accumulation)
@@ -252,7 +255,7 @@ PRESETS = {
     # the T3RL paper; where it is silent, TTRL's scripts, which it builds on
     "paper": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct",
                   bench="math500", temperature=0.6, top_p=0.95, max_new_tokens=2560, kl_coef=0.0,
-                  lr_schedule_unit="step", loss_agg="micro-token-mean", micro_batch_rollouts=2,
+                  lr_schedule_unit="step", loss_agg="token-mean", micro_batch_rollouts=2,
                   answer_rule="strict", drop_last=True, eval_every=2, eval_temperature=0.6,
                   eval_top_p=0.95),
     # TTRL's verl 0.4.1 scripts: the TTRL row, no verifier (--verify puts T3RL's on the same
@@ -261,7 +264,7 @@ PRESETS = {
                  bench="math500", verify=False, omega=1.0, n_votes=64, n_train=32, temperature=1.0,
                  top_p=1.0, max_new_tokens=3072, lr=5e-7, warmup_ratio=0.03,
                  lr_schedule_unit="step", mini_batch_questions=1, kl_coef=0.001, clip_low=0.2,
-                 clip_high=0.2, clip_ratio_c=3.0, loss_agg="micro-token-mean",
+                 clip_high=0.2, clip_ratio_c=3.0, loss_agg="token-mean",
                  micro_batch_rollouts=2, answer_rule="strict", drop_last=True, eval_every=2,
                  eval_samples=16, eval_temperature=0.6, eval_top_p=0.95),
     # the kv sampler for both roles: on CPUs it is faster than vLLM's CPU engine

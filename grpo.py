@@ -10,9 +10,10 @@ response's advantage is its reward standardised within the group, shared by ever
     L      = AGG_{i,t} l_it    over the tokens the policy sampled (a tool's output is context)
 
 The KL term is verl's low_var_kl; w_it = min(pi_old / mu, C) is truncated importance sampling
-against the sampler's own distribution mu (off: 1). AGG is token-mean over the mini-batch,
-micro-token-mean (verl's update_policy: a token-mean per micro-batch, weighted by its share of the
-rollouts), seq-mean-token-mean or seq-mean-token-sum-norm. A step's groups are cut into mini-batches
+against the sampler's own distribution mu (off: 1). AGG is verl's token-mean, seq-mean-token-mean
+or seq-mean-token-sum-norm as verl's update loop accumulates them (each micro-batch's value weighted
+by its share of the mini-batch's rollouts), or TRL's dapo (one token-mean over the mini-batch) or
+dr_grpo (docs/grpo.md: each with its source's file and line). A step's groups are cut into mini-batches
 of Q groups, one AdamW step each; pi_old is fixed before the first, so from the second on the clip
 can bind. Micro-batches accumulate the exact mini-batch gradient. Weights stay float32 under
 bfloat16 autocast: 5e-7 is below bfloat16's resolution near 1. Design notes: docs/grpo.md; `python
@@ -130,15 +131,17 @@ def group_advantages(rewards, group_size: int, scale: bool = True,
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
               norm_len: int | None = None):
-    """Reduce per-token values [B, T] over the valid tokens (mask [B, T]) to a scalar, by name (see
-    top)."""
+    """Reduce one micro-batch's per-token values [B, T] over the valid tokens (mask [B, T]) to a
+    scalar, by name (see top); batches.plan weights the micro-batches of a mini-batch."""
     mask = mask.to(values.dtype)
     total = values * mask                                                        # [B, T]
-    if agg in ("token-mean", "micro-token-mean"):  # micro: batches.plan weights each one
+    if agg in ("token-mean", "dapo"):  # dapo: plan weights a micro-batch by its tokens
         return total.sum() / mask.sum().clamp(min=1)
     if agg == "seq-mean-token-mean":
         return (total.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    if agg == "seq-mean-token-sum-norm":
+    if agg == "seq-mean-token-sum-norm":  # verl divides by L_max alone
+        return total.sum() / norm_len
+    if agg == "dr_grpo":
         return total.sum() / (values.shape[0] * norm_len)
     raise ValueError(f"agg={agg!r}: use one of {', '.join(AGGREGATIONS)}")
 
@@ -146,7 +149,7 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
 def _check_aggregation(agg: str, norm_len: int | None):
     if agg not in AGGREGATIONS:
         raise ValueError(f"agg={agg!r}: use one of {', '.join(AGGREGATIONS)}")
-    if agg == "seq-mean-token-sum-norm" and not (norm_len and norm_len > 0):
+    if agg in ("seq-mean-token-sum-norm", "dr_grpo") and not (norm_len and norm_len > 0):
         raise ValueError(f"agg={agg!r} needs norm_len > 0 (the max new tokens of the rollouts), "
                          f"got {norm_len!r}")
 

@@ -80,10 +80,9 @@ def plan(batch: "grpo.Rollouts", advantages, s: GRPOSettings, accelerator, locks
     per_step = s.mini_batch_groups or groups
 
     def size(index):
-        # a set of rollouts' part of L's normaliser: the policy's tokens (token-mean) or sequences
-        # (every other aggregation, micro-token-mean included: verl weights a micro-batch by its
-        # rollouts)
-        return sum(batch.policy_tokens(i) for i in index) if s.agg == "token-mean" else len(index)
+        # a set of rollouts' part of L's normaliser: the policy's tokens (dapo) or sequences (every
+        # other aggregation, verl's token-mean included: verl weights a micro-batch by its rollouts)
+        return sum(batch.policy_tokens(i) for i in index) if s.agg == "dapo" else len(index)
 
     def cut(indices):  # indices split into micro-batches
         lengths = [len(prompts[i]) + len(completions[i]) for i in indices]

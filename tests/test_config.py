@@ -93,10 +93,10 @@ def test_ttrl_preset_is_ttrls_scripts():
     assert (cfg.eval_every, cfg.eval_samples, cfg.eval_temperature, cfg.eval_top_p) == (2, 16, 0.6, 0.95)
     assert (cfg.drop_last, cfg.answer_rule, cfg.questions_per_step, cfg.episodes) == (True, "strict", 8, 80)
     # verl's update_policy: a token-mean per micro-batch of 2 rollouts (ppo_micro_batch_size_per_gpu=2)
-    assert (cfg.loss_agg, cfg.micro_batch_rollouts) == ("micro-token-mean", 2)
+    assert (cfg.loss_agg, cfg.micro_batch_rollouts) == ("token-mean", 2)
     paper = parse_config(["--preset", "paper"])  # silent: TTRL's scripts
-    assert (paper.loss_agg, paper.micro_batch_rollouts) == ("micro-token-mean", 2)
-    assert parse_config(["--preset", "cpu"]).loss_agg == "token-mean"
+    assert (paper.loss_agg, paper.micro_batch_rollouts) == ("token-mean", 2)
+    assert parse_config(["--preset", "cpu"]).loss_agg == "dapo"
     assert [(c.questions_per_step, c.episodes) for c in (parse_config(["--preset", "ttrl", "--bench", b])
                                                          for b in ("math500", "amc"))] == [(32, 10), (8, 30)]
     assert parse_config(["--preset", "ttrl", "--temperature", "0.6"]).temperature == 0.6  # options win

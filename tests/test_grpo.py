@@ -60,8 +60,10 @@ def _two_sequences():
 
 @pytest.mark.parametrize("agg, expected", [
     ("token-mean", (-1.1 - 0.9 - 1.0 + 1.6) / 4),
+    ("dapo", (-1.1 - 0.9 - 1.0 + 1.6) / 4),
     ("seq-mean-token-mean", ((-1.1 - 0.9 - 1.0) / 3 + 1.6) / 2),
-    ("seq-mean-token-sum-norm", (-1.1 - 0.9 - 1.0 + 1.6) / (2 * 4)),
+    ("seq-mean-token-sum-norm", (-1.1 - 0.9 - 1.0 + 1.6) / 4),
+    ("dr_grpo", (-1.1 - 0.9 - 1.0 + 1.6) / (2 * 4)),
 ])
 def test_policy_loss_matches_hand_computed_value(agg, expected):
     loss, _ = policy_loss(*_two_sequences(), agg=agg, norm_len=4)
@@ -183,7 +185,7 @@ def test_token_logprobs_gradient_equals_plain_gradient(tokenizer, tied):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("agg", ["dapo", "seq-mean-token-mean", "dr_grpo"])
 def test_micro_batches_give_the_full_batch_update(tiny_model, agg):
     rewards = [1.0, 0.0, 0.0, 1.0]
     deltas = []
@@ -198,10 +200,10 @@ def test_micro_batches_give_the_full_batch_update(tiny_model, agg):
     torch.testing.assert_close(deltas[0], deltas[1], atol=1e-5, rtol=1e-3)
 
 
-def test_micro_token_mean_weights_each_micro_batch_by_its_rollouts_as_verl(tiny_model):
+def test_verl_token_mean_weights_each_micro_batch_by_its_rollouts(tiny_model):
     """verl's update_policy: a token-mean per micro-batch, scaled by the micro-batch's share of the
     mini-batch's rollouts. One rollout per micro-batch is then seq-mean-token-mean, one micro-batch for all
-    is token-mean, and the two differ here (the completions have different lengths)."""
+    is TRL's dapo, and the two differ here (the completions have different lengths)."""
     def delta(agg, token_budget):
         model = copy.deepcopy(tiny_model)
         before = [p.detach().clone() for p in model.parameters()]
@@ -210,10 +212,43 @@ def test_micro_token_mean_weights_each_micro_batch_by_its_rollouts_as_verl(tiny_
                   [1.0, 0.0, 0.0, 1.0]), GRPOSettings(2, agg=agg, token_budget=token_budget,
                                                        max_grad_norm=math.inf, bf16=False))
         return torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
-    alone, together = delta("micro-token-mean", 4), delta("micro-token-mean", 10_000)
+    alone, together = delta("token-mean", 4), delta("token-mean", 10_000)
     torch.testing.assert_close(alone, delta("seq-mean-token-mean", 10_000), atol=1e-5, rtol=1e-3)
-    torch.testing.assert_close(together, delta("token-mean", 10_000), atol=1e-5, rtol=1e-3)
+    torch.testing.assert_close(together, delta("dapo", 10_000), atol=1e-5, rtol=1e-3)
     assert (alone - together).abs().max() > 1e-3 * together.abs().max()
+
+
+def _source_loss(agg, lengths, advantages, micro, max_len):
+    """The loss each aggregation's source computes on per-token losses l_it = -A_i (rho = 1, the first
+    mini-batch), micro-batches of `micro` rollouts in order, responses padded to max_len as verl pads them.
+    verl v0.4.1: core_algos.agg_loss (lines 539-549) per micro-batch, then dp_actor.update_policy divides
+    by gradient_accumulation = mini-batch / micro-batch size (line 511). TRL's GRPOTrainer: loss_type dapo
+    divides the whole batch's sum by its tokens, dr_grpo a micro-batch's sum by rows x max_completion_length
+    and then by the accumulation steps."""
+    cuts = [list(range(i, i + micro)) for i in range(0, len(lengths), micro)]
+    accumulation = len(lengths) // micro
+    token_sum = lambda index: sum(-advantages[i] * lengths[i] for i in index)  # noqa: E731
+    if agg == "dapo":
+        return token_sum(range(len(lengths))) / sum(lengths)
+    per_micro = {"token-mean": lambda c: token_sum(c) / sum(lengths[i] for i in c),
+                 "seq-mean-token-mean": lambda c: sum(-advantages[i] for i in c) / len(c),
+                 "seq-mean-token-sum-norm": lambda c: token_sum(c) / max_len,
+                 "dr_grpo": lambda c: token_sum(c) / (len(c) * max_len)}[agg]
+    return sum(per_micro(c) / accumulation for c in cuts)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum-norm", "dapo", "dr_grpo"])
+def test_each_aggregation_computes_its_sources_value(tiny_model, agg):
+    """verl's names give verl's values through its update loop, TRL's its loss types' (docs/grpo.md).
+    seq-mean-token-mean is 0 at rho = 1 (a group's advantages sum to 0); its gradient is tested above."""
+    rewards, max_len = [1.0, 1.0, 0.0, 1.0], 6  # one group of 4, two micro-batches of 2
+    optimizer = torch.optim.SGD(tiny_model.parameters(), lr=0.0)
+    metrics = grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 1),
+                        Rollouts(GRPO_PROMPTS, COMPLETIONS, rewards),
+                        GRPOSettings(4, agg=agg, norm_len=max_len, micro_batch_rollouts=2, bf16=False))
+    advantages = group_advantages(rewards, 4).tolist()
+    expected = _source_loss(agg, [len(c) for c in COMPLETIONS], advantages, 2, max_len)
+    assert abs(expected) > 0.01 and metrics["loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_micro_batches_of_a_fixed_size_take_the_rollouts_in_order_whatever_their_length():
