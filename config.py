@@ -250,6 +250,11 @@ class GRPOSettings:
 PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 TTRL_QUESTIONS_PER_STEP = {"math500": 32, "amc": 8, "aime2024": 8}
 
+# the paper's verifier: one program per rollout, no repair, no memory, every rollout verified
+PAPER_VERIFIER = dict(verifier_programs=1, verifier_agreement="any", verifier_repair=False,
+                      verdict_memory=False, verify_budget=0, lazy_verify=False,
+                      verifier_max_new_tokens=1024, verifier_temperature=0.6, verifier_top_p=0.95)
+
 # Each preset states every choice of the protocol; README's preset table gives each value's source.
 PRESETS = {
     # the T3RL paper; where it is silent, TTRL's scripts, which it builds on
@@ -257,7 +262,7 @@ PRESETS = {
                   bench="math500", temperature=0.6, top_p=0.95, max_new_tokens=2560, kl_coef=0.0,
                   lr_schedule_unit="step", loss_agg="token-mean", micro_batch_rollouts=2,
                   answer_rule="strict", drop_last=True, eval_every=2, eval_temperature=0.6,
-                  eval_top_p=0.95),
+                  eval_top_p=0.95, **PAPER_VERIFIER),
     # TTRL's verl 0.4.1 scripts: the TTRL row, no verifier (--verify puts T3RL's on the same
     # settings)
     "ttrl": dict(model="Qwen/Qwen2.5-Math-1.5B", verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct",
@@ -266,7 +271,7 @@ PRESETS = {
                  lr_schedule_unit="step", mini_batch_questions=1, kl_coef=0.001, clip_low=0.2,
                  clip_high=0.2, clip_ratio_c=3.0, loss_agg="token-mean",
                  micro_batch_rollouts=2, answer_rule="strict", drop_last=True, eval_every=2,
-                 eval_samples=16, eval_temperature=0.6, eval_top_p=0.95),
+                 eval_samples=16, eval_temperature=0.6, eval_top_p=0.95, **PAPER_VERIFIER),
     # the kv sampler for both roles: on CPUs it is faster than vLLM's CPU engine
     # (docs/results.md, engine bench)
     "cpu": dict(bench="demo", verifier_model="coder-1.5b", backend="kv", verifier_backend="kv",

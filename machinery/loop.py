@@ -17,7 +17,7 @@ from machinery.files import DataError, append_jsonl
 from machinery import options
 from machinery.model import check_hub
 from machinery.runs import (PROCESS_GROUP_TIMEOUT, drop_rows_after, precision_notes, run_banner,
-                            run_dir_of, tracker_names, tracker_row)
+                            run_dir_of, tracker_names, tracker_row, verifier_line)
 
 
 def make_accelerator(cfg: Config) -> Accelerator:
@@ -153,5 +153,5 @@ def announce(run_dir, records, batches, accelerator, start: int, cfg: Config):
     if accelerator.is_main_process:
         drop_rows_after(run_dir, start)
         banner = run_banner(run_dir, records, batches, accelerator, start, resume=cfg.resume)
-        print(f"[t3rl] {banner}", file=sys.stderr)
+        print(f"[t3rl] {banner}\n[t3rl] {verifier_line(cfg)}", file=sys.stderr)
 

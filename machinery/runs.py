@@ -232,6 +232,24 @@ def run_banner(run_dir: Path, records, batches, accelerator, start: int, *, resu
                else ", no checkpoint yet: from step 0" if resume else ""))
 
 
+def verifier_line(cfg) -> str:
+    """What the run's verifier does, in one line (printed at the start; config.json holds each
+    field)."""
+    if not cfg.verify:
+        return "no verifier (--no-verify): TTRL's majority vote"
+    programs = cfg.verifier_programs
+    which = ("every rollout verified" if not cfg.verify_budget and not cfg.lazy_verify
+             else ", ".join(filter(None, [
+                 f"{cfg.verify_budget} rollout(s) per answer class" if cfg.verify_budget else "",
+                 "lazily" if cfg.lazy_verify else ""])))
+    return (f"verifier {cfg.verifier_model}: {programs} program{'s' if programs > 1 else ''} per "
+            f"rollout{f' ({cfg.verifier_agreement})' if programs > 1 else ''}, "
+            f"{'repair' if cfg.verifier_repair else 'no repair'}, "
+            f"{'verdict memory' if cfg.verdict_memory else 'no memory'}, {which}, "
+            f"{cfg.verifier_max_new_tokens} tokens at T {cfg.verifier_temperature:g} / top-p "
+            f"{cfg.verifier_top_p:g}")
+
+
 def precision_notes(cfg, device, asked: str) -> list[str]:
     """What a run says about its numerics, which t3rl sets itself: accelerate's mixed precision
     stays off whatever its config asks (`asked`: ACCELERATE_MIXED_PRECISION), the update takes

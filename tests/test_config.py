@@ -15,6 +15,7 @@ from machinery.options import parse_config
 import machinery
 import t3rl
 from helpers import ROOT, copy_run, tiny_argv
+from machinery.runs import verifier_line
 
 
 def test_unknown_option_is_rejected(capsys):
@@ -81,6 +82,23 @@ def test_paper_preset_follows_the_paper():
     assert (cfg.eval_every, cfg.eval_temperature, cfg.eval_top_p) == (2, 0.6, 0.95)
     assert parse_config(["--preset", "paper", "--bench", "amc"]).episodes == 30
     assert parse_config(["--preset", "paper"]).questions_per_step == 32
+
+
+PAPERS_VERIFIER = dict(verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", verifier_programs=1,
+                       verifier_agreement="any", verifier_repair=False, verdict_memory=False, verify_budget=0,
+                       lazy_verify=False, verifier_max_new_tokens=1024, verifier_temperature=0.6,
+                       verifier_top_p=0.95)
+
+
+@pytest.mark.parametrize("argv", [["--preset", "paper"], ["--preset", "ttrl", "--verify", "--omega", "5"]])
+def test_paper_and_ttrl_presets_verify_as_the_paper(argv):
+    """One program per rollout, no repair, no memory, every rollout verified: every verifier field, and the
+    line a run prints about it."""
+    cfg = parse_config(argv + ["--bench", "demo"])
+    assert {key: getattr(cfg, key) for key in PAPERS_VERIFIER} == PAPERS_VERIFIER
+    assert cfg.verify and cfg.omega == 5.0
+    assert verifier_line(cfg) == ("verifier Qwen/Qwen2.5-Coder-1.5B-Instruct: 1 program per rollout, "
+                                  "no repair, no memory, every rollout verified, 1024 tokens at T 0.6 / top-p 0.95")
 
 
 def test_ttrl_preset_is_ttrls_scripts():
