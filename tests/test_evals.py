@@ -13,6 +13,7 @@ from machinery import evals, metrics
 from machinery.options import parse_config
 
 EIGHT = [(f"What is {i} + {i}?", str(2 * i)) for i in range(8)]
+BUILD_VERIFIER = t3rl.build_verifier  # the real one: the `patched` fixture scripts the verifier
 
 
 @pytest.fixture()
@@ -88,7 +89,7 @@ def test_a_second_run_takes_the_evaluation_before_training_from_the_cache(tiny_d
         assert calls.count("greedy") == 2, changed
 
 
-def test_a_damaged_cache_file_is_evaluated_again_and_rewritten(tiny_dir, tmp_path, eight, monkeypatch):
+def test_a_damaged_cache_file_is_evaluated_again_and_rewritten(tiny_dir, tmp_path, eight, monkeypatch, capsys):
     cache = tmp_path / "cache"
     argv = lambda name: tiny_argv(tiny_dir, tmp_path / "out", run_name=name, eval_cache=str(cache),  # noqa: E731
                                   max_steps=1)
@@ -97,9 +98,13 @@ def test_a_damaged_cache_file_is_evaluated_again_and_rewritten(tiny_dir, tmp_pat
     kept = json.loads(entry.read_text())
     entry.write_text('{"rows": [')  # cut short
     calls = sampler_calls(monkeypatch)
+    capsys.readouterr()
     t3rl.train(parse_config(argv("b")))
     assert calls.count("greedy") == 2
     assert json.loads(entry.read_text()) == kept
+    said = [line for line in capsys.readouterr().err.splitlines() if "--eval-cache" in line]
+    assert said == [f"[t3rl] --eval-cache: {entry} is unreadable (JSONDecodeError: Expecting value: line 1 "
+                    f"column 11 (char 10)); evaluating again and replacing it"]
 
 
 def test_the_time_line_gives_each_phase_in_minutes_and_shares_of_the_wall():
@@ -120,6 +125,55 @@ def test_a_run_ends_with_where_its_time_went(tiny_dir, tmp_path, eight, monkeypa
     shares = dict((phase, int(share)) for phase, share in re.findall(r"(\w+) [\d.]+ \((\d+)%\)", line))
     assert list(shares) == ["load", "evaluation", "sample", "verify", "update", "other"]
     assert shares["evaluation"] >= 100 * 4 / wall - 1 and abs(sum(shares.values()) - 100) <= 3
+
+
+def test_the_cache_key_holds_the_environment(monkeypatch):
+    """Another device type, world size or version of a package that computes the numbers is another
+    evaluation: a kept cache must not hand back its step-0 numbers."""
+    cfg, questions = Config(model="embedded"), [{"id": "q0", "problem": "1 + 1?", "answer": "2"}]
+    keys = lambda: [evals.cache_key(cfg, questions, part, "cpu") for part in ("samples", "verdicts")]  # noqa: E731
+    base = keys()
+    assert [evals.cache_key(cfg, questions, part, "cuda") for part in ("samples", "verdicts")] != base
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert keys()[0] != base[0] and keys()[1] != base[1]
+    monkeypatch.delenv("WORLD_SIZE")
+    real = evals.importlib.metadata.version
+    for package in evals.PACKAGES:
+        monkeypatch.setattr(evals.importlib.metadata, "version",
+                            lambda name, p=package: "0.0-other" if name == p else real(name))
+        changed = keys()
+        assert changed[0] != base[0] and changed[1] != base[1], package
+    monkeypatch.setattr(evals.importlib.metadata, "version", real)
+    assert keys() == base
+
+
+class ReadRecorder:
+    """A Config that records which of its fields are read."""
+
+    def __init__(self, cfg):
+        object.__setattr__(self, "_cfg", cfg)
+        object.__setattr__(self, "read", set())
+
+    def __getattr__(self, name):
+        if name in Config.__dataclass_fields__:
+            self.read.add(name)
+        return getattr(self._cfg, name)
+
+
+def test_every_option_the_evaluation_before_training_reads_is_in_its_cache_key(tiny_dir, tmp_path, eight,
+                                                                              monkeypatch):
+    """The evaluation (its samples, its verifier, its verified vote) reads only options in the cache key:
+    an option it reads that is listed as training-only would let a kept cache hand back another setting's
+    numbers. Its questions enter the key themselves, so the options that choose them may stay out."""
+    cfg = parse_config(tiny_argv(tiny_dir, tmp_path / "out", eval_cache="none", max_steps=1))
+    recorded = ReadRecorder(cfg)
+    real_evaluate = t3rl.evaluate
+    monkeypatch.setattr(t3rl, "evaluate", lambda policy, tokenizer, records, cfg, *a, **k: real_evaluate(
+        policy, tokenizer, records, recorded, *a, **k))
+    t3rl.train(cfg)
+    BUILD_VERIFIER(recorded, "cpu")  # the verifier the evaluation's vote uses
+    assert {"eval_samples", "eval_temperature", "seed", "omega", "verifier_max_new_tokens"} <= recorded.read
+    assert recorded.read & evals.TRAINING_ONLY == set()
 
 
 def test_the_cache_key_names_only_real_options():
