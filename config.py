@@ -17,7 +17,6 @@ BENCHES = ("math500", "aime2024", "amc", "demo", "knk")
 ANSWER_RULES = ("strict", "last-number")
 BACKENDS = ("kv", "hf", "vllm")
 PARALLEL_MODES = ("ddp", "fsdp")
-AGREEMENTS = ("any", "share")
 # each named for what it computes where it comes from (docs/grpo.md gives the file and line): verl's
 # names give verl's values through its update loop, TRL's its loss types'
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", "dapo", "dr_grpo")
@@ -107,18 +106,17 @@ class Config:
                                "fewer verifier prompts (one or two calls a step); at omega 1 no "
                                "verdict can, so every rollout is verified for the monitors")
     verifier_programs: int = option(3, "programs the verifier writes per rollout sent, each "
-                                    "with its own seed", AT_LEAST_ONE)
-    verifier_agreement: str = option("any", "v_i from a rollout's programs: any = 1 when one "
-                                     "reproduces a_i | share = the share that do (vote weight "
-                                     "1 + (omega - 1) * share)", AGREEMENTS)
+                                    "with its own seed; v_i = 1 when one reproduces a_i",
+                                    AT_LEAST_ONE)
     verifier_repair: bool = option(True, "a program that raises, hits a sandbox limit or prints "
                                    "nothing gets one more verifier turn showing it its error")
-    verdict_memory: bool = option(True, "an answer class a program reproduced keeps its verdict "
-                                  "in later steps and episodes without a verifier call "
-                                  "(verdicts.jsonl in the run folder)")
-    verdict_attempts: int = option(2, "with --verdict-memory: rollouts of an answer class whose "
-                                   "programs failed that are verified, over the run, before it "
-                                   "stays unverified without a call", AT_LEAST_ONE)
+    verdict_memory: bool = option(True, "an answer class whose last --verdict-attempts steps "
+                                  "agreed (reproduced each time, or failed each time) keeps that "
+                                  "verdict in later steps without a verifier call (verdicts.jsonl "
+                                  "in the run folder)")
+    verdict_attempts: int = option(2, "with --verdict-memory: the steps, in a row, whose verdicts "
+                                   "on an answer class must agree before it is kept (one step "
+                                   "never settles a class)", Range(2))
     verifier_max_new_tokens: int = option(1024, "verifier tokens per program", AT_LEAST_ONE)
     verifier_temperature: float = option(0.6, "verifier sampling temperature (0 = greedy)",
                                          NON_NEGATIVE)
@@ -251,7 +249,7 @@ PAPER_EPISODES = {"math500": 10, "amc": 30, "aime2024": 80}
 TTRL_QUESTIONS_PER_STEP = {"math500": 32, "amc": 8, "aime2024": 8}
 
 # the paper's verifier: one program per rollout, no repair, no memory, every rollout verified
-PAPER_VERIFIER = dict(verifier_programs=1, verifier_agreement="any", verifier_repair=False,
+PAPER_VERIFIER = dict(verifier_programs=1, verifier_repair=False,
                       verdict_memory=False, verify_budget=0, lazy_verify=False,
                       verifier_max_new_tokens=1024, verifier_temperature=0.6, verifier_top_p=0.95)
 

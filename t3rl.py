@@ -181,8 +181,8 @@ def verify_groups(records, groups, answers, verifier, pool, cfg: Config, *, step
     domain = machinery.domains.domain_of(cfg.bench, cfg.answer_rule)
     results = verify_batch(problems, texts, flat, verifier, domain, pool, groups=keys, seeds=seeds,
                            budget=cfg.verify_budget, omega=cfg.omega if lazy else None,
-                           programs=cfg.verifier_programs, agreement=cfg.verifier_agreement,
-                           repair=cfg.verifier_repair, memory=memory)
+                           programs=cfg.verifier_programs, repair=cfg.verifier_repair,
+                           memory=memory)
     if memory is not None:
         memory.learn(gather_object(memory.lessons(step, keys, flat, results)))
     results = iter(results)

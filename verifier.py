@@ -10,7 +10,7 @@ forbids copying the candidate in), the sandbox runs it, and
 
 ~ is the domain's agreement test (math: machinery/python_tool.py's tool_agrees, is_equiv on t_i as
 printed and as sympy's LaTeX of it); hard-coding is decided on the program's AST (guard.py). With
-k programs per rollout, v_i = 1 when any reproduces a_i (or the share that do); a failed program
+k programs per rollout, v_i = 1 when any reproduces a_i; a failed program
 gets one repair turn (machinery/verdicts.py). Every rollout gets a status:
     verified    v_i = 1 (repaired: after repair)  no_answer   a_i is None: no verifier call spent
     mismatch    ran, printed something else      no_code     the completion holds no code block
@@ -32,8 +32,7 @@ from dataclasses import dataclass
 
 
 def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *, budget=0,
-                 omega=None, groups=None, seeds=None, programs=3, agreement="any", repair=True,
-                 memory=None):
+                 omega=None, groups=None, seeds=None, programs=3, repair=True, memory=None):
     """Tool-verify each rollout: one Verification per rollout, in order.
 
     problems, rollouts, answers: one entry per rollout (a None answer is no_answer, without a
@@ -44,9 +43,9 @@ def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *,
     (its prompts, tool and agreement test). sandbox: passed to the tool (None: a default pool).
     budget, omega: which rollouts are sent (verification_rounds); the rest inherit a verdict
     (budget) or are "skipped" (v = 0; omega: whatever they would show, the label and rewards do not
-    change). programs, agreement: k programs per rollout, v = 1 when any reproduces a_i ("any") or
-    the share that do ("share"); repair: a program that fails gets one more turn with its error
-    (machinery/verdicts.py). memory: a verdicts.VerdictMemory whose settled answer classes (groups
+    change). programs: k programs per rollout, v = 1 when any reproduces a_i; repair: a program that
+    fails gets one more turn with its error (machinery/verdicts.py). memory: a
+    verdicts.VerdictMemory whose settled answer classes (groups
     are its question ids) keep their verdict without a verifier call; the caller teaches it.
     """
     groups, seeds = groups or problems, seeds or [None] * len(problems)
@@ -71,7 +70,7 @@ def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *,
             verdicts = verify_rollouts([problems[i] for i in sent], [rollouts[i] for i in sent],
                                        [answers[i] for i in sent], verifier, domain, sandbox,
                                        [seeds[i] for i in sent], programs=programs,
-                                       agreement=agreement, repair=repair)
+                                       repair=repair)
             for i, verdict in zip(sent, verdicts):
                 results[i] = verdict
             inherit_verdicts(classes, results, budget)
@@ -111,7 +110,7 @@ STATUSES_VERIFY = ("verified", "repaired", "mismatch", "no_answer", "no_code", "
 
 
 def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox, seeds, *, programs=3,
-                    agreement="any", repair=True):
+                    repair=True):
     """The verifier's programs for these rollouts (every answer given), in one verifier and one tool
     call, k = programs per rollout; with repair one more of each for the programs that failed. A
     Verification per rollout, from its programs' (machinery/verdicts.py combine)."""
@@ -128,7 +127,7 @@ def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox, seed
     for n, fix in zip(failed, fixes):
         runs[n] = verdicts.repaired(runs[n], fix)
     seconds = (time.perf_counter() - start) / len(problems)
-    return [verdicts.combine(runs[i * programs:(i + 1) * programs], agreement, seconds)
+    return [verdicts.combine(runs[i * programs:(i + 1) * programs], seconds)
             for i in range(len(problems))]
 
 

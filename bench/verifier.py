@@ -15,7 +15,7 @@ human-written MATH solutions: the right trace and the same trace with its last b
     python -m bench.verifier --measure [--bench knk] [--problems 60]
                              [--verifiers coder-0.5b coder-1.5b]
     python -m bench.verifier --solutions 8 --verifiers coder-1.5b --max-new-tokens 1024
-                             [--programs 1] [--agreement share] [--no-repair]
+                             [--programs 1] [--no-repair]
     python -m bench.verifier --memory runs/training-study-t3rl
     python -m bench.verifier --demo
     python -m bench.verifier --steps runs/RUN
@@ -196,8 +196,8 @@ def measure_solutions(per_level, max_new_tokens, seed, name, options, log_path):
 
 def print_derived(results, kinds):
     """The options apart, on this run's own programs: the first program alone, before and after its
-    repair, and all k programs before and after theirs, under each agreement rule (a repaired
-    program's first attempt had failed: v = 0, its status the one it was repaired from)."""
+    repair, and all k programs before and after theirs (a repaired program's first attempt had
+    failed: v = 0, its status the one it was repaired from)."""
     def first(p):
         return (p["repaired_from"] or p["status"],
                 0 if p["repaired_from"] else int(p["status"] in verdicts.REPRODUCED))
@@ -206,18 +206,15 @@ def print_derived(results, kinds):
         return p["status"], int(p["status"] in verdicts.REPRODUCED)
     print(f"\n{'derived from these programs':<34}{'accuracy':>9}{'recall':>8}{'false-verify':>13}"
           f"{'exec_error':>11}{'prompts':>8}")
-    for title, count, attempt, rule in (
-            ("1 program, no repair", 1, first, "any"), ("1 program + repair", 1, final, "any"),
-            ("k programs, no repair, any", None, first, "any"),
-            ("k programs, no repair, share", None, first, "share"),
-            ("k programs + repair, any", None, final, "any"),
-            ("k programs + repair, share", None, final, "share")):
+    for title, count, attempt in (
+            ("1 program, no repair", 1, first), ("1 program + repair", 1, final),
+            ("k programs, no repair", None, first), ("k programs + repair", None, final)):
         v, failed, prompts = [], 0, 0
         for r, kind in zip(results, kinds):
             programs = (r.programs or [dict(status=r.status, repaired_from=r.repaired_from)])
             outcomes = [attempt(p) for p in programs[:count]]
             reproduced = [x for _, x in outcomes]
-            v.append(max(reproduced) if rule == "any" else sum(reproduced) / len(reproduced))
+            v.append(max(reproduced))
             prompts += len(outcomes) + (attempt is final) * sum(p["repaired_from"] is not None
                                                                 for p in programs[:count])
             failed += (kind == "correct" and not any(reproduced) and min(
@@ -399,8 +396,8 @@ def memory_replay(run_dir, verifier=None):
     def right(labels, gold):  # for the report only
         return sum(label is not None and bool(domain.equiv(label, g))
                    for label, g in zip(labels, gold))
-    print(f"{run_dir}: omega {cfg.omega}, {cfg.verifier_programs} programs "
-          f"({cfg.verifier_agreement}), repair {cfg.verifier_repair}, budget {cfg.verify_budget}, "
+    print(f"{run_dir}: omega {cfg.omega}, {cfg.verifier_programs} programs, "
+          f"repair {cfg.verifier_repair}, budget {cfg.verify_budget}, "
           f"lazy {cfg.lazy_verify}, {cfg.verifier_max_new_tokens} verifier tokens")
     print(f"{'step':>4}{'episode':>8}{'tokens mem/afresh':>19}{'programs mem/afresh':>21}"
           f"{'reused':>8}{'labels same':>13}")
@@ -463,7 +460,6 @@ def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written
     start = time.perf_counter()
     results = verify_batch(problems, texts, answers, counting, domain, budget=cfg["verify_budget"],
                            omega=omega, programs=cfg.get("verifier_programs", 1),
-                           agreement=cfg.get("verifier_agreement", "any"),
                            repair=cfg.get("verifier_repair", False))
     n = cfg["n_votes"]
     labels = [weighted_vote(answers[i:i + n], [r.v for r in results[i:i + n]], cfg["omega"],
@@ -490,8 +486,6 @@ def main():
                         "--verifiers model and the options below")
     parser.add_argument("--programs", type=int, default=3,
                         help="--solutions: programs per trace (default 3, verify_batch's)")
-    parser.add_argument("--agreement", choices=["any", "share"], default="any",
-                        help="--solutions: v from the programs (verify_batch's agreement)")
     parser.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
                         help="--solutions: the repair turn for failed programs")
     parser.add_argument("--log", default="runs/verifier-solutions.jsonl",
@@ -521,8 +515,7 @@ def main():
                 rescore=args.rescore)
     elif args.solutions:
         measure_solutions(args.solutions, args.max_new_tokens, args.seed, args.verifiers[0],
-                          dict(programs=args.programs, agreement=args.agreement,
-                               repair=args.repair), args.log)
+                          dict(programs=args.programs, repair=args.repair), args.log)
     elif args.memory:
         memory_replay(args.memory)
     elif args.demo:

@@ -39,7 +39,7 @@ TRAINING_ONLY = {
 # what only the verified vote reads: the verifier and the vote's weight
 VERIFIER_ONLY = {"verify", "verifier_model", "omega", "verify_budget", "lazy_verify",
                  "verifier_max_new_tokens", "verifier_temperature", "verifier_top_p",
-                 "verifier_backend", "verifier_programs", "verifier_agreement", "verifier_repair"}
+                 "verifier_backend", "verifier_programs", "verifier_repair"}
 
 
 def eval_questions(records: list[dict], batches: list[list[dict]], cfg: Config):

@@ -200,10 +200,6 @@ def check_config(cfg: Config, source: str = ""):
                               f"greedy decoding does not have (greedy@1 is evaluated anyway)")
         for f in fields(Config):
             check_value(f.name, getattr(cfg, f.name))
-        if cfg.verifier_agreement == "share" and cfg.verifier_programs < 2:
-            raise OptionError(f"--verifier-agreement share with --verifier-programs "
-                              f"{cfg.verifier_programs}: the share of one program is its verdict; "
-                              f"pass --verifier-programs 2 or more, or --verifier-agreement any")
         if cfg.answer_rule != "strict" and domain_of(cfg.bench).name != "math":
             raise OptionError(f"--answer-rule {cfg.answer_rule}: reads numbers, for math "
                               f"benchmarks only; drop it for --bench {cfg.bench}")

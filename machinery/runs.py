@@ -243,7 +243,7 @@ def verifier_line(cfg) -> str:
                  f"{cfg.verify_budget} rollout(s) per answer class" if cfg.verify_budget else "",
                  "lazily" if cfg.lazy_verify else ""])))
     return (f"verifier {cfg.verifier_model}: {programs} program{'s' if programs > 1 else ''} per "
-            f"rollout{f' ({cfg.verifier_agreement})' if programs > 1 else ''}, "
+            f"rollout, "
             f"{'repair' if cfg.verifier_repair else 'no repair'}, "
             f"{'verdict memory' if cfg.verdict_memory else 'no memory'}, {which}, "
             f"{cfg.verifier_max_new_tokens} tokens at T {cfg.verifier_temperature:g} / top-p "

@@ -33,11 +33,9 @@ from pathlib import Path
 
 import numpy as np
 
-from config import AGREEMENTS
 from machinery.benchmarks import load_bench, run_questions
 from machinery.domains import domain_of
 from machinery.files import append_jsonl, drop_torn_tail, read_jsonl_rows, write_jsonl
-from machinery.verdicts import agreement_v
 from machinery.runs import RunDirError
 from machinery.python_tool import last_line, tool_agrees
 from voting import group_metrics, weighted_vote
@@ -488,23 +486,21 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
                           f"the run verified lazily (--lazy-verify), so its verdicts settle the "
                           f"vote at omega {cfg['omega']:g} (and 1) only; replay those, or train "
                           f"with --no-lazy-verify for the ablation")
-    # several programs per rollout (--verifier-programs): each agreement rule for v, from them
-    several = any(r.get("programs") for rows in groups.values() for r in rows)
     lines = [f"omega ablation replayed on {len(groups)} rollout groups of {run_dir}",
-             f"{'v rule':>7}{'omega':>7}{'label acc':>11}{'reward acc':>12}{'flips':>7}"
-             f"{'fixed':>7}{'broke':>7}"]
-    for rule, omega in itertools.product(AGREEMENTS if several else ["logged"], omegas):
+             f"{'omega':>7}{'label acc':>11}{'reward acc':>12}{'flips':>7}{'fixed':>7}"
+             f"{'broke':>7}"]
+    for omega in omegas:
         totals = {"label_accuracy": 0.0, "reward_accuracy": 0.0, "flipped": 0.0,
                   "flip_fixed": 0.0, "flip_broke": 0.0}
         for (_, qid), rows in groups.items():
             answers = [r["answer"] for r in rows]
-            v = [agreement_v(r, rule) if several else r["v"] for r in rows]
+            v = [r["v"] for r in rows]
             vote = weighted_vote(answers, v, omega=omega, **domain_of(cfg["bench"]).classes)
             stats = group_metrics(vote, v, gold=gold[qid], **domain_of(cfg["bench"]).classes)
             for key in totals:
                 totals[key] += stats[key]
         n = max(len(groups), 1)
-        lines.append(f"{rule:>7}{omega:>7g}{totals['label_accuracy'] / n:>11.3f}"
+        lines.append(f"{omega:>7g}{totals['label_accuracy'] / n:>11.3f}"
                      f"{totals['reward_accuracy'] / n:>12.3f}"
                      f"{totals['flipped']:>7.0f}{totals['flip_fixed']:>7.0f}"
                      f"{totals['flip_broke']:>7.0f}")

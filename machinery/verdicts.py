@@ -4,12 +4,11 @@ calls it (docs/verifier.md#several-programs-repair-and-the-verdict-memory):
     program_seed    k programs per rollout (--verifier-programs), each sampled with its own seed
     repair_prompt   a program that raised, ran too long or printed nothing gets one more turn that
                     shows it its error (--verifier-repair); `repaired` makes its verdict
-    combine         a rollout's v from its programs: any reproduces a_i, or the share that do
-                    (--verifier-agreement)
-    VerdictMemory   an answer class of a question that a program reproduced keeps its verdict in
-                    later steps without a verifier call; a class whose programs failed is tried
-                    again up to --verdict-attempts times (--verdict-memory), kept in the run
-                    folder's verdicts.jsonl so that --resume goes on exactly
+    combine         a rollout's v from its programs: 1 when any reproduces a_i
+    VerdictMemory   an answer class of a question whose last --verdict-attempts steps agreed
+                    (reproduced each time, or failed each time) keeps that verdict in later steps
+                    without a verifier call (--verdict-memory); kept in the run folder's
+                    verdicts.jsonl so that --resume goes on exactly
 """
 import dataclasses
 import hashlib
@@ -63,15 +62,15 @@ def repaired(first, fix):
                                tool_seconds=first.tool_seconds + fix.tool_seconds)
 
 
-def combine(runs, agreement: str, seconds: float):
-    """One rollout's Verification from its programs' (one each): v = 1 when any reproduced a_i
-    ("any") or the share that did ("share"); the first reproducing program (else the first that got
-    furthest, FURTHEST) speaks for it, the tokens are all of theirs."""
+def combine(runs, seconds: float):
+    """One rollout's Verification from its programs' (one each): v = 1 when any reproduced a_i; the
+    first reproducing program (else the first that got furthest, FURTHEST) speaks for it, the tokens
+    are all of theirs."""
     reproduced = [run for run in runs if run.status in REPRODUCED]
     speaker = reproduced[0] if reproduced else furthest(runs)
     tokens = [run.tokens for run in runs]
     return dataclasses.replace(
-        speaker, v=agreed([run.status for run in runs], agreement), seconds=seconds,
+        speaker, v=int(bool(reproduced)), seconds=seconds,
         tokens=None if None in tokens else sum(tokens),
         tool_seconds=sum(run.tool_seconds for run in runs),
         programs=[{"status": run.status, "v": run.v, "repaired_from": run.repaired_from,
@@ -93,29 +92,21 @@ def programs_written(result) -> int:
     return sum(1 + (p["repaired_from"] is not None) for p in programs)
 
 
-def agreed(statuses, agreement: str):
-    """v from a rollout's programs' statuses: 1 when any reproduced a_i ("any"), or the share that
-    did ("share")."""
-    reproduced = [status in REPRODUCED for status in statuses]
-    if agreement not in ("any", "share"):
-        raise ValueError(f"agreement={agreement!r}: pass 'any' or 'share'")
-    return int(any(reproduced)) if agreement == "any" else sum(reproduced) / len(reproduced)
-
-
-def agreement_v(row, agreement: str):
-    """A logged rollout's v under another agreement rule, from its programs (rollouts.jsonl)."""
-    return agreed([p["status"] for p in row["programs"]], agreement) if row.get("programs") \
-        else row["v"]
-
-
 class VerdictMemory:
-    """The verdicts of a run's answer classes, per question id: a reproduced class's verdict, or a
-    failed class's count of failed attempts. recall names a batch's remembered verdicts; lessons
-    are what a step taught it (one row per question and class judged), learn takes them."""
+    """What earlier steps showed of each question's answer classes: per class, the outcome of every
+    step that verified some of its rollouts afresh (reproduced: one of its programs recomputed the
+    answer; failed: none did). A class is settled, and its rollouts take its verdict without a
+    verifier call, when its last `attempts` (>= 2) such steps agree; one step's evidence settles
+    nothing, and a class whose steps disagree is verified afresh. recall names a batch's settled
+    rollouts; lessons are what a step showed (one row per question and class verified afresh),
+    learn takes them."""
 
     def __init__(self, domain, attempts: int, path=None):
+        if attempts < 2:
+            raise ValueError(f"attempts={attempts}: a class is settled by at least 2 steps that "
+                             f"agree (one step's verdict is never kept)")
         self.domain, self.attempts, self.path = domain, attempts, path
-        self.classes = {}  # question id -> [entry]; entry: answer, v, status, result, failures
+        self.classes = {}  # question id -> [entry]; entry: answer, outcomes [(step, row)]
 
     def entry(self, qid, answer):
         key = self.domain.key(answer)
@@ -123,9 +114,16 @@ class VerdictMemory:
                      if self.domain.key(e["answer"]) == key
                      or self.domain.same(e["answer"], answer)), None)
 
+    def settled(self, entry) -> dict | None:
+        """The class's verdict (its latest step's row) when its last `attempts` steps agree."""
+        last = [row for _, row in entry["outcomes"][-self.attempts:]]
+        if len(last) < self.attempts or len({row["v"] > 0 for row in last}) > 1:
+            return None
+        return last[-1]
+
     def recall(self, groups, answers, results):
-        """(i, entry) for each rollout not judged yet (results[i] None) whose answer class is
-        settled: reproduced, or failed --verdict-attempts times."""
+        """(i, verdict row) for each rollout not judged yet (results[i] None) whose answer class is
+        settled."""
         remembered, by_question = [], {}
         for i, answer in enumerate(answers):
             if answer is not None:
@@ -133,13 +131,15 @@ class VerdictMemory:
         for qid, indices in by_question.items():
             for members in answer_classes([answers[i] for i in indices], **self.domain.classes):
                 e = self.entry(qid, answers[indices[members[0]]])
-                if e and (e["v"] > 0 or e["failures"] >= self.attempts):
-                    remembered += [(indices[m], e) for m in members if results[indices[m]] is None]
+                known = e and self.settled(e)
+                if known:
+                    remembered += [(indices[m], known) for m in members
+                                   if results[indices[m]] is None]
         return remembered
 
     def lessons(self, step, groups, answers, results) -> list[dict]:
-        """What this step's fresh verdicts say, per question and answer class: its best verdict and
-        the rollouts whose programs were written for it (tries)."""
+        """What this step's fresh verdicts showed, per question and answer class: v = 1 when one of
+        its rollouts was reproduced (that rollout's status and result), else 0 (the first's)."""
         rows = {}
         for i, (answer, res) in enumerate(zip(answers, results)):
             if answer is None or res.inferred or res.status == "skipped":
@@ -147,10 +147,9 @@ class VerdictMemory:
             e = self.entry(groups[i], answer)
             key = (groups[i], self.domain.key(e["answer"] if e else answer))
             row = rows.setdefault(key, {"step": step, "id": groups[i], "answer": answer, "v": 0,
-                                        "status": res.status, "result": res.result, "tries": 0})
-            row["tries"] += 1
+                                        "status": res.status, "result": res.result})
             if res.v > row["v"]:
-                row.update(v=res.v, status=res.status, result=res.result)
+                row.update(v=1, status=res.status, result=res.result)
         return list(rows.values())
 
     def learn(self, rows, write=True):
@@ -158,13 +157,9 @@ class VerdictMemory:
         for row in rows:
             e = self.entry(row["id"], row["answer"])
             if e is None:
-                e = {"answer": row["answer"], "v": 0, "status": None, "result": None, "failures": 0}
+                e = {"answer": row["answer"], "outcomes": []}
                 self.classes.setdefault(row["id"], []).append(e)
-            if row["v"] > 0 and row["status"] in REPRODUCED:
-                e.update(v=row["v"], status=row["status"], result=row["result"])
-            elif e["v"] == 0:
-                e.update(status=row["status"], result=row["result"],
-                         failures=e["failures"] + row["tries"])
+            e["outcomes"].append((row["step"], row))
         if write and self.path is not None and rows:
             append_jsonl(self.path, rows)
 

@@ -85,7 +85,7 @@ def test_paper_preset_follows_the_paper():
 
 
 PAPERS_VERIFIER = dict(verifier_model="Qwen/Qwen2.5-Coder-1.5B-Instruct", verifier_programs=1,
-                       verifier_agreement="any", verifier_repair=False, verdict_memory=False, verify_budget=0,
+                       verifier_repair=False, verdict_memory=False, verify_budget=0,
                        lazy_verify=False, verifier_max_new_tokens=1024, verifier_temperature=0.6,
                        verifier_top_p=0.95)
 
@@ -202,8 +202,7 @@ BAD_INPUTS = [
     ("verifier-top-p", lambda c: argv_for(c, verifier_top_p=0), r"--verifier-top-p 0.0: must be in \(0, 1\]"),
     ("verify-budget", lambda c: argv_for(c, verify_budget=-1), r"--verify-budget -1: must be in \[0, inf\)"),
     ("verifier-programs", lambda c: argv_for(c, verifier_programs=0), r"--verifier-programs 0: must be in \[1, inf\)"),
-    ("share of one program", lambda c: argv_for(c, verifier_agreement="share", verifier_programs=1),
-     r"--verifier-agreement share with --verifier-programs 1: the share of one program is its verdict; pass"),
+    ("verdict-attempts", lambda c: argv_for(c, verdict_attempts=1), r"--verdict-attempts 1: must be in \[2, inf\)"),
     ("eval-samples", lambda c: argv_for(c, eval_samples=-1), r"--eval-samples -1: must be in \[0, inf\)"),
     ("question-ids missing", lambda c: argv_for(c, question_ids=str(c["tiny"] / "no-such.txt")),
      r"--question-ids .*no-such.txt: no such file; pass a file with one question id a line"),

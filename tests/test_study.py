@@ -29,14 +29,14 @@ def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, pat
         tables.append(capsys.readouterr().out)
     assert tables[0] == tables[1]
     table = tables[0].splitlines()
-    assert "4 rollout groups" in table[0] and [line.split()[1] for line in table[2:]] == ["1", "5", "inf"]
-    assert table[2].split()[4] == "0"  # omega = 1 is the majority vote itself: no flips
+    assert "4 rollout groups" in table[0] and [line.split()[0] for line in table[2:]] == ["1", "5", "inf"]
+    assert table[2].split()[3] == "0"  # omega = 1 is the majority vote itself: no flips
     assert not (run.parent / "runs").exists() and sorted(p.name for p in run.parent.iterdir()) == ["run"]
 
 
-def test_replay_re_votes_several_programs_under_each_agreement_rule(tiny_dir, tmp_path, monkeypatch, patched, capsys):
-    """--verifier-programs 2 logs each program's status; --replay re-votes with v from them under each rule:
-    a verifier whose every other program prints 0 verifies with v = 1 (any) or 1/2 (share)."""
+def test_replay_re_votes_the_verdicts_the_run_voted_with(tiny_dir, tmp_path, monkeypatch, patched, capsys):
+    """--verifier-programs 2 logs each program's status and the rollout's v (1: one of them reproduced
+    a_i); --replay re-votes with the logged v alone, so at the run's own omega it gives the run's labels."""
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     half = lambda prompts: ["```python\nprint(%s)\n```" % ("1 + 1" if k % 2 == 0 else "0")  # noqa: E731
@@ -48,8 +48,10 @@ def test_replay_re_votes_several_programs_under_each_agreement_rule(tiny_dir, tm
     assert logged and all(r["v"] == 1 and [p["status"] for p in r["programs"]] == ["verified", "mismatch"]
                           for r in logged)
     table = study.replay(run, [1.0, 5.0]).splitlines()
-    assert [tuple(line.split()[:2]) for line in table[2:]] == [("any", "1"), ("any", "5"), ("share", "1"),
-                                                                ("share", "5")]
+    assert [line.split()[0] for line in table[2:]] == ["1", "5"]
+    trained = [r for r in rows(run, "metrics.jsonl") if r["kind"] == "train"]
+    run_accuracy = sum(r["label_accuracy"] * r["questions"] for r in trained) / sum(r["questions"] for r in trained)
+    assert float(table[3].split()[1]) == pytest.approx(run_accuracy, abs=1e-3)
 
 
 def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny_dir, tmp_path, monkeypatch, patched):
@@ -59,7 +61,7 @@ def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny
     run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2, verifier_programs=1,
                                                                    top_p=0.95)))  # draws that leave verdicts to skip
     assert "skipped" in {r["status"] for r in rows(run, "rollouts.jsonl")}
-    assert [line.split()[1] for line in study.replay(run, [1.0, 5.0]).splitlines()[2:]] == ["1", "5"]
+    assert [line.split()[0] for line in study.replay(run, [1.0, 5.0]).splitlines()[2:]] == ["1", "5"]
     with pytest.raises(runs.RunDirError, match=r"--omega 2 inf: the run verified lazily"):
         study.replay(run, [1.0, 2.0, math.inf])
 

@@ -70,16 +70,15 @@ def test_repair_shows_the_last_lines_of_a_long_error_only():
     assert "line 99" in user and "line 92" in user and "line 91\n" not in user
 
 
-@pytest.mark.parametrize("agreement,v", [("any", 1), ("share", 2 / 3)])
-def test_k_programs_per_rollout_with_their_own_seeds_and_the_agreement_rule(pool, agreement, v):
+def test_k_programs_per_rollout_with_their_own_seeds_and_one_reproducing_is_enough(pool):
     """Three programs per rollout, each seeded apart (the first with the rollout's own seed), in one
-    call; v is 1 when one reproduces a_i (any) or the share that do (share)."""
+    call; v is 1 when one of them reproduces a_i."""
     verifier = ScriptedVerifier(block(RIGHT), block(WRONG), block("print(5 * 11)"))
     result = verify_batch([PROBLEM], [ROLLOUT], ["55"], verifier, MATH, pool, seeds=[7],
-                          programs=3, agreement=agreement, repair=False)[0]
+                          programs=3, repair=False)[0]
     seeds = [p.seed for p in verifier.batches[0]]
     assert len(verifier.batches) == 1 and seeds[0] == 7 and len(set(seeds)) == 3
-    assert result.v == pytest.approx(v) and result.status == "verified"
+    assert result.v == 1 and result.status == "verified"
     assert [p["status"] for p in result.programs] == ["verified", "mismatch", "verified"]
 
 
@@ -96,12 +95,6 @@ def test_a_rollout_no_program_reproduced_has_the_status_of_the_one_that_got_furt
     assert (raised.v, raised.status, raised.code.strip()) == (0, "exec_error", RAISES)
 
 
-def test_replayed_agreement_rules_read_the_logged_programs():
-    row = {"v": 1, "programs": [{"status": "verified"}, {"status": "mismatch"},
-                                {"status": "repaired"}]}
-    assert (verdicts.agreement_v(row, "any"), verdicts.agreement_v(row, "share")) == (1, 2 / 3)
-
-
 def memory(attempts=2):
     return verdicts.VerdictMemory(MATH, attempts)
 
@@ -116,25 +109,43 @@ def step(mem, answers, completions, pool, number, **options):
     return results, verifier
 
 
-def test_a_reproduced_class_keeps_its_verdict_without_a_verifier_call(pool):
+def test_one_step_settles_no_class_and_two_that_agree_do(pool):
+    """A class's verdict is kept without a verifier call only once two steps in a row agreed on it;
+    after one step every rollout is verified afresh, the right answer's failed class included."""
     mem = memory()
-    step(mem, ["55", "54"], [block(RIGHT), block(WRONG)], pool, 0)
-    # 55 is settled; 54 failed once (of 2 attempts), so its new rollout is tried again
-    results, verifier = step(mem, ["55", "55", "54"], [block(WRONG)], pool, 1)
+    step(mem, ["55", "54"], [block(RAISES), block(WRONG)], pool, 0)  # both fail once
+    results, verifier = step(mem, ["55", "54"], [block(RIGHT), block(WRONG)], pool, 1)
+    assert [len(batch) for batch in verifier.batches] == [2]  # one failure settles nothing
+    assert [(r.v, r.remembered) for r in results] == [(1, False), (0, False)]
+    # 54 failed twice in a row: kept; 55 failed, then reproduced: verified afresh
+    results, verifier = step(mem, ["55", "54", "\\frac{108}{2}"], [block(RIGHT)], pool, 2)
     assert [len(batch) for batch in verifier.batches] == [1]
-    assert [(r.v, r.status, r.remembered) for r in results] == [
-        (1, "verified", True), (1, "verified", True), (0, "mismatch", False)]
-    # after its second failure 54 stays unverified without a call
-    results, verifier = step(mem, ["54", "\\frac{110}{2}"], [], pool, 2)
-    assert verifier.batches == [] and [r.remembered for r in results] == [True, True]
-    assert [r.v for r in results] == [0, 1]  # 110/2 is 55's class
+    assert [(r.v, r.remembered) for r in results] == [(1, False), (0, True), (0, True)]
+    # 55 reproduced twice in a row: kept, for every spelling of its class
+    results, verifier = step(mem, ["55", "\\frac{110}{2}"], [], pool, 3)
+    assert verifier.batches == [] and [(r.v, r.remembered) for r in results] == [(1, True), (1, True)]
+
+
+def test_a_kept_verdict_is_the_last_steps_and_a_disagreeing_step_unsettles_nothing_kept(pool):
+    """Lessons come only from rollouts verified afresh: a kept class learns nothing more, so it keeps the
+    verdict its last two steps agreed on, and a step's verdict on a class is one row, v = 1 when any of
+    its rollouts was reproduced."""
+    mem = memory()
+    step(mem, ["55", "55"], [block(WRONG), block(RIGHT)], pool, 0)
+    step(mem, ["55"], [block(RIGHT)], pool, 1)
+    assert [row["v"] for _, row in mem.entry("q0", "55")["outcomes"]] == [1, 1]
+    results, _ = step(mem, ["55"], [], pool, 2)
+    assert results[0].remembered and mem.entry("q0", "55")["outcomes"][-1][0] == 1
+    with pytest.raises(ValueError, match="at least 2 steps"):
+        verdicts.VerdictMemory(MATH, 1)
 
 
 def test_lazy_verification_with_a_memory_asks_only_what_can_change_the_label(pool):
     mem = memory()
     step(mem, ["55"], [block(RIGHT)], pool, 0)
-    # 55 remembered (weight 5) against one open 54 (at most 5, and fewer rollouts): decided
-    results, verifier = step(mem, ["55", "54"], [], pool, 1, omega=5.0)
+    step(mem, ["55"], [block(RIGHT)], pool, 1)
+    # 55 kept (weight 5) against one open 54 (at most 5, and fewer rollouts): decided
+    results, verifier = step(mem, ["55", "54"], [], pool, 2, omega=5.0)
     assert verifier.batches == [] and [r.status for r in results] == ["verified", "skipped"]
 
 
@@ -147,15 +158,15 @@ def learner_at(run_dir, **options):
 def test_a_resumed_run_remembers_the_steps_before_its_checkpoint_only(tmp_path):
     """verdicts.jsonl keeps every step's lessons; resuming at step 2 keeps those of steps 0 and 1 and
     drops the later ones, which the resumed run computes again."""
-    lessons = [{"step": s, "id": "q0", "answer": a, "v": v, "status": st, "result": a, "tries": 1}
-               for s, a, v, st in [(0, "55", 1, "verified"), (1, "54", 0, "mismatch"),
-                                   (2, "53", 1, "verified")]]
+    lessons = [{"step": s, "id": "q0", "answer": a, "v": v, "status": st, "result": a}
+               for s, a, v, st in [(0, "55", 1, "verified"), (0, "54", 0, "mismatch"),
+                                   (1, "55", 1, "verified"), (2, "54", 0, "mismatch")]]
     (tmp_path / "verdicts.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lessons))
     mem = verdicts.memory_of(learner_at(tmp_path), 2, MATH)
     assert [e["answer"] for e in mem.classes["q0"]] == ["55", "54"]
-    assert [json.loads(line)["step"] for line in open(tmp_path / "verdicts.jsonl")] == [0, 1]
-    remembered = mem.recall(["q0"] * 3, ["55", "54", "53"], [None] * 3)
-    assert [(i, e["v"]) for i, e in remembered] == [(0, 1)]  # 54 has one failed attempt of 2
+    assert [json.loads(line)["step"] for line in open(tmp_path / "verdicts.jsonl")] == [0, 0, 1]
+    remembered = mem.recall(["q0"] * 2, ["55", "54"], [None] * 2)
+    assert [(i, e["v"]) for i, e in remembered] == [(0, 1)]  # 54 failed in one step of the two
     assert verdicts.memory_of(learner_at(tmp_path, verdict_memory=False), 2, MATH) is None
 
 
@@ -172,13 +183,12 @@ def test_verify_batch_defaults_are_what_a_training_step_runs():
     import inspect
     defaults = {k: p.default for k, p in inspect.signature(verify_batch).parameters.items()}
     cfg = Config()
-    assert (defaults["programs"], defaults["agreement"], defaults["repair"]) == (
-        cfg.verifier_programs, cfg.verifier_agreement, cfg.verifier_repair)
+    assert (defaults["programs"], defaults["repair"]) == (cfg.verifier_programs, cfg.verifier_repair)
 
 
 def test_bench_memory_verifies_the_later_episodes_again_without_the_memory(tiny_dir, tmp_path, monkeypatch):
     """bench.verifier --memory RUN: every rollout answers 2, whose class a program reproduces in
-    episode 1; episode 2 reuses that verdict without a program, and verified again without the
+    episodes 1 and 2; episode 3 reuses that verdict without a program, and verified again without the
     memory it writes one program a question, with the same labels."""
     import t3rl
     from bench import verifier as bench_verifier
@@ -196,12 +206,12 @@ def test_bench_memory_verifies_the_later_episodes_again_without_the_memory(tiny_
     monkeypatch.setattr(domains, "extract_answer", lambda text: "2")
     monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device: writes_two)
     run = t3rl.train(parse_config(tiny_argv(
-        tiny_dir, tmp_path / "out", episodes=2, max_steps=0, limit=2, questions_per_step=2,
+        tiny_dir, tmp_path / "out", episodes=3, max_steps=0, limit=2, questions_per_step=2,
         eval_samples=0, verifier_programs=1, verifier_repair=False, lazy_verify=False)))
     metrics = [r for r in map(json.loads, open(run / "metrics.jsonl")) if r.get("kind") == "train"]
-    assert [(r["programs_written"], r["verdicts_reused"]) for r in metrics] == [(2, 0), (0, 8)]
+    assert [(r["programs_written"], r["verdicts_reused"]) for r in metrics] == [(2, 0), (2, 0), (0, 8)]
     asked.clear()
     totals = bench_verifier.memory_replay(run, verifier=writes_two)
-    assert asked == [2]  # episode 2 alone, verified again: one program per question (budget 1)
-    assert (totals[1]["memory"], totals[2]["memory"], totals[2]["afresh"]) == (14, 0, 14)
-    assert totals[2]["same"] == totals[2]["questions"] == 2
+    assert asked == [2, 2]  # episodes 2 and 3, verified again: one program per question (budget 1)
+    assert (totals[1]["memory"], totals[3]["memory"], totals[3]["afresh"]) == (14, 0, 14)
+    assert totals[3]["same"] == totals[3]["questions"] == 2
