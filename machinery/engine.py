@@ -128,6 +128,15 @@ def sleep_engines():
         engine.sleep()
 
 
+def executor(environment) -> dict:
+    """vLLM's executor for an engine of this process: external_launcher whenever a launcher
+    (torchrun, accelerate launch) started it (LOCAL_RANK set), so that each process's engine sits on
+    its own device and joins the launcher's process group, as TRL's colocate mode starts it;
+    vLLM's in-process default otherwise (one process, python t3rl.py)."""
+    return ({"distributed_executor_backend": "external_launcher"}
+            if "LOCAL_RANK" in environment else {})
+
+
 class Engine:
     def __init__(self, model, tokenizer, dtype: torch.dtype, sleeps: bool = False):
         require_vllm()
@@ -151,15 +160,11 @@ class Engine:
             if gpu:
                 memory = dict(gpu_memory_utilization=SETTINGS.gpu_memory_utilization,
                               enable_sleep_mode=self.sleeps)
-                if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-                    # each process's engine on its own GPU (LOCAL_RANK), as TRL's colocate mode
-                    # starts it; vLLM's default in-process executor would put every process's
-                    # engine on GPU 0
-                    memory["distributed_executor_backend"] = "external_launcher"
             else:  # VLLM_CPU_KVCACHE_SPACE, vLLM's own setting, wins over ours
                 memory = (dict(enforce_eager=True) if os.environ.get("VLLM_CPU_KVCACHE_SPACE")
                           else dict(enforce_eager=True,
                                     kv_cache_memory_bytes=ENGINE_KV_CACHE_GIB << 30))
+            memory.update(executor(os.environ))
             self.llm = LLM(model=folder, load_format="dummy",
                            dtype=str(dtype).removeprefix("torch."), seed=0,
                            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
@@ -183,9 +188,11 @@ class Engine:
         self.syncs += 1
 
     def sleep(self):
+        """Level 2: the weights are dropped, not kept in host memory (level 1 copies them out and
+        back, only for sync() to overwrite them); the next sync reloads them whatever changed."""
         if self.sleeps and not self.asleep:
-            self.llm.sleep(level=1)
-            self.asleep = True
+            self.llm.sleep(level=2)
+            self.asleep, self.synced = True, None
 
     def wake(self):
         if self.asleep:

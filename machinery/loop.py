@@ -9,7 +9,8 @@ from contextlib import contextmanager
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, broadcast_object_list, gather_object
+from accelerate.utils import (DistributedDataParallelKwargs, InitProcessGroupKwargs,
+                               broadcast_object_list, gather_object)
 
 from config import Config, OptionError, verifier_backend
 from machinery.engine import check_memory
@@ -25,11 +26,14 @@ def make_accelerator(cfg: Config) -> Accelerator:
 
     t3rl sets its own numerics (grpo.py's bf16 autocast, the sampling dtype): the mixed precision an
     accelerate config may ask for would add an autocast and a GradScaler, so it stays off, with a
-    line saying so. The process group waits out a checkpoint save (runs.PROCESS_GROUP_TIMEOUT)."""
+    line saying so. The process group waits out a checkpoint save (runs.PROCESS_GROUP_TIMEOUT). DDP
+    keeps the gradients in its all-reduce buckets (gradient_as_bucket_view): accelerate's default
+    holds a second copy of them."""
     timeout = InitProcessGroupKwargs(timeout=PROCESS_GROUP_TIMEOUT)
+    buckets = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
     accelerator = Accelerator(cpu=not options.has_gpu(), mixed_precision="no",
-                              kwargs_handlers=[timeout], log_with=tracker_names(cfg) or None,
-                              project_dir=run_dir_of(cfg))
+                              kwargs_handlers=[timeout, buckets],
+                              log_with=tracker_names(cfg) or None, project_dir=run_dir_of(cfg))
     # each process named the run by its own clock as it parsed its command line: rank 0's holds
     cfg.run_name = broadcast_object_list([cfg.run_name])[0]
     if accelerator.is_main_process:

@@ -144,8 +144,10 @@ def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
         problem = checkpoint_damage(checkpoint)
         if problem is None:
             try:
+                # memory-mapped: pages load as the optimizer takes them, not the whole file on
+                # every process at once (18.5 GB for the paper's policy)
                 return checkpoint, torch.load(checkpoint / "state.pt", weights_only=False,
-                                              map_location="cpu")
+                                              map_location="cpu", mmap=True)
             except Exception as err:
                 # truncated or corrupt pickle: EOFError, RuntimeError, UnpicklingError, ...
                 problem = f"{name}/state.pt is damaged ({type(err).__name__})"

@@ -95,10 +95,16 @@ class FakeLLM:
         self.kwargs = kwargs
 
     def sleep(self, level):
-        self.calls.append(("sleep", self.kwargs["enable_sleep_mode"]))
+        self.calls.append(("sleep", self.kwargs["enable_sleep_mode"], level))
 
     def wake_up(self):
         self.calls.append(("wake_up", self.kwargs["enable_sleep_mode"]))
+
+    def collective_rpc(self, method, kwargs):
+        self.calls.append((method, sum(1 for _ in kwargs["weights_iterator"])))
+
+    def reset_prefix_cache(self):
+        pass
 
 
 @pytest.fixture()
@@ -128,7 +134,33 @@ def test_only_the_policys_engine_sleeps_and_wakes_after_empty_cache(tokenizer, f
     engine.sleep_engines()
     served.wake()
     checker.wake()
-    assert fake_gpu_engines == [("sleep", True), ("empty_cache", None), ("wake_up", True)]
+    assert fake_gpu_engines == [("sleep", True, 2), ("empty_cache", None), ("wake_up", True)]
+
+
+def test_a_woken_engine_reloads_the_weights_even_when_no_update_changed_them(tokenizer, fake_gpu_engines):
+    """Level 2 sleep drops the engine's weights (level 1 would copy them to host memory and back, only
+    for the sync to overwrite them): after waking, the next sync loads them again although no optimizer
+    step moved them (a step whose updates were all skipped), and a second sync does not."""
+    policy = make_tiny_model(len(tokenizer))
+    served = engine.engine_for(policy, tokenizer, torch.bfloat16, sleeps=True)
+    tensors = len(policy.state_dict())
+    served.sync(policy)
+    served.sync(policy)
+    engine.sleep_engines()
+    served.wake()
+    served.sync(policy)
+    served.sync(policy)
+    assert [c for c in fake_gpu_engines if c[0] in ("reload_weights", "sleep")] == [
+        ("reload_weights", tensors), ("sleep", True, 2), ("reload_weights", tensors)]
+
+
+def test_an_engine_of_a_launched_process_joins_the_launcher(monkeypatch):
+    """vLLM's external_launcher whenever torchrun or accelerate launch started the process, one process
+    included (its engine then joins that process group, as on several GPUs); the in-process executor for
+    python t3rl.py."""
+    assert engine.executor({"LOCAL_RANK": "0", "WORLD_SIZE": "1"}) == {
+        "distributed_executor_backend": "external_launcher"}
+    assert engine.executor({}) == {}
 
 
 def test_the_engines_shares_are_checked_against_the_gpus_memory_before_anything_starts(monkeypatch):

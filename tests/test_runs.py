@@ -120,6 +120,25 @@ def test_a_finished_run_keeps_only_its_last_checkpoint(tiny_dir, tmp_path, monke
     assert torch.load(run / "checkpoint" / "state.pt", weights_only=False)["step"] == 4
 
 
+def test_resume_maps_the_optimizer_state_from_its_file_instead_of_reading_it_whole(finished_run):
+    """state.pt is loaded memory-mapped: on every process its pages come in as the optimizer takes
+    them, rather than the whole file (18.5 GB at the paper's size) at once."""
+    checkpoint, state = runs.load_checkpoint(finished_run)
+    moments = [t for s in state["optimizer"]["state"].values() for t in s.values()
+               if isinstance(t, torch.Tensor) and t.numel() > 1]
+    assert moments and {mapped_file(t.data_ptr()) for t in moments} == {str(checkpoint / "state.pt")}
+
+
+def mapped_file(address: int) -> str | None:
+    """The file this process has mapped at `address` (/proc/self/maps), or None (anonymous memory)."""
+    for line in open("/proc/self/maps"):
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[4] if len(rest) > 4 else None
+    return None
+
+
 def test_truncated_weights_are_a_damaged_checkpoint(finished_run, tmp_path):
     run = copy_run(finished_run, tmp_path / "run")
     assert runs.checkpoint_damage(run / "checkpoint") is None
@@ -176,18 +195,30 @@ import t3rl
 domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
 rank = int(__import__("os").environ["RANK"])
 time.strftime = lambda fmt: f"2026120{{rank}}-101500"  # each process's clock, its own run name
+in_buckets, adamw_step = [], torch.optim.AdamW.step
+
+
+def step(self, *args, **kwargs):  # are the gradients views into DDP's buckets, or copies of their own?
+    grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+    in_buckets.append(len({{g.untyped_storage().data_ptr() for g in grads}}) < len(grads))
+    return adamw_step(self, *args, **kwargs)
+
+
+torch.optim.AdamW.step = step
 run = t3rl.train(parse_config(sys.argv[1:]))
 group = dist.distributed_c10d._get_default_group()
 timeout = group._get_backend(torch.device("cpu")).options._timeout
 print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}}: run {{run}}, timeout "
-      f"{{timeout.total_seconds():.0f}} s, mixed precision {{AcceleratorState().mixed_precision}}")
+      f"{{timeout.total_seconds():.0f}} s, mixed precision {{AcceleratorState().mixed_precision}}, "
+      f"gradients in DDP's buckets {{in_buckets}}")
 """
 
 
 def test_every_process_of_a_launched_run_shares_its_name_timeout_and_precision(tiny_dir, tmp_path):
     """torchrun, 2 processes, an accelerate config asking for fp16: every process takes the main
     one's run folder, the process group waits out a long checkpoint save, accelerate's mixed
-    precision stays off, and each process's sandbox takes its share of the cores."""
+    precision stays off, each process's sandbox takes its share of the cores, and the gradients
+    are views into DDP's all-reduce buckets, not a second copy (gradient_as_bucket_view)."""
     write_bench(tmp_path / "data", QUESTIONS)
     script = tmp_path / "launched.py"
     script.write_text(LAUNCHED.format(root=str(ROOT)))
@@ -202,8 +233,8 @@ def test_every_process_of_a_launched_run_shares_its_name_timeout_and_precision(t
     run = tmp_path / "out" / "demo-ttrl-20261200-101500"
     seen = sorted(re.findall(r"process (\d) of (\d): (.*)", done.stdout))
     timeout = runs.PROCESS_GROUP_TIMEOUT.total_seconds()
-    assert seen == [(str(rank), "2", f"run {run}, timeout {timeout:.0f} s, mixed precision no")
-                    for rank in range(2)]
+    assert seen == [(str(rank), "2", f"run {run}, timeout {timeout:.0f} s, mixed precision no, "
+                                     f"gradients in DDP's buckets [True]") for rank in range(2)]
     assert [p.name for p in (tmp_path / "out").iterdir()] == [run.name]
     assert [r["kind"] for r in rows(run, "metrics.jsonl")] == ["eval", "train", "eval"]
     workers = max(1, len(os.sched_getaffinity(0)) // 2)
