@@ -239,3 +239,41 @@ def test_every_process_starts_its_engines_right_after_prepare(engine_dir, tmp_pa
     # the verifier's engine as its model is built, the policy's after prepare
     assert seen == [(str(rank), "2", "engine prepare engine eval step eval") for rank in range(2)]
     assert len(rows(tmp_path / "out" / "run", "rollouts.jsonl")) == 4  # one question's N rollouts
+
+
+ONE_LAUNCHED = """import os
+import sys
+sys.path.insert(0, {root!r})
+import vllm
+from machinery import domains
+import t3rl
+domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
+executors, real = [], vllm.LLM.__init__
+
+
+def recorded(self, *args, **kwargs):
+    executors.append(kwargs.get("distributed_executor_backend", "default"))
+    return real(self, *args, **kwargs)
+
+
+vllm.LLM.__init__ = recorded
+t3rl.main()
+print(f"process {{os.environ['RANK']}} of {{os.environ['WORLD_SIZE']}}: executors {{' '.join(executors)}}")
+"""
+
+
+def test_one_launched_process_starts_its_engines_on_the_launchers_executor(engine_dir, tmp_path):
+    """torchrun with one process: both engines take vLLM's external_launcher, as on several GPUs, and the
+    run trains and evaluates on them."""
+    write_bench(tmp_path / "data", QUESTIONS[:2])
+    script = tmp_path / "one.py"
+    script.write_text(ONE_LAUNCHED.format(root=str(ROOT)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data")}
+    argv = tiny_argv(engine_dir, tmp_path / "out", questions_per_step=2, max_steps=1, eval_samples=1,
+                     backend="vllm", verifier_backend="vllm", sample_dtype="float32")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=1", str(script), *argv],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "process 0 of 1: executors external_launcher external_launcher" in done.stdout
+    assert [r["kind"] for r in rows(tmp_path / "out" / "run", "metrics.jsonl")] == ["eval", "train", "eval"]

@@ -1,6 +1,6 @@
 """The GPU path's decisions, shown on a CPU: the precision whatever accelerate's config asks,
 bfloat16 without emulation, the engines' sleep mode and memory shares, the sampler's budget beside
-PyTorch's cache, --study under a launcher, Slurm's cores for srun. launch/gpu-check.sh runs the
+PyTorch's cache, --study under a launcher, Slurm's cores for srun. launch/device-check/run.sh runs the
 path itself on a GPU."""
 import os
 import subprocess
