@@ -47,6 +47,7 @@ def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSett
     all-reduce. model holds float32 weights. Returns float metrics of the whole batch."""
     started, s = time.perf_counter(), settings
     from machinery import batches, logprobs as kernel, update as books  # the update's machinery
+    from machinery.sampler_cpu import release_freed_memory
     books.check_step_arguments(batch, s, ref_model)
     _check_aggregation(s.agg, s.norm_len)
     device = accelerator.device if accelerator is not None else next(model.parameters()).device
@@ -86,6 +87,8 @@ def grpo_step(model, optimizer, scheduler, batch: "Rollouts", settings: GRPOSett
                                          .float().mean()),
                    tokens=float(sum(map(len, batch.prompts)) + sum(map(len, batch.completions))),
                    seconds=time.perf_counter() - started)
+    del plan  # its micro-batches and log-probs; then the freed memory back to the system
+    release_freed_memory()
     return metrics
 
 

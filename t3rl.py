@@ -71,6 +71,7 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
     kept = gather_kept(shard, groups, judged, accelerator)
     with clock("update"):
         machinery.engine.sleep_engines()  # vLLM on GPUs frees its memory (the next call wakes it)
+        machinery.kv_fast.sleep()  # so does the kv verifier: it reads its weights again after
         update = grpo_step(machinery.fsdp.trained_module(learner.policy), learner.optimizer,
                            learner.scheduler, kept, learner.grpo, accelerator=accelerator,
                            ref_model=learner.ref_model)
@@ -311,7 +312,7 @@ def train(cfg: Config) -> Path:
         with clock("evaluation"):
             evaluation(len(batches), final=True)
     if accelerator.is_main_process:
-        machinery.runs.drop_fallback(run_dir)
+        machinery.runs.finish_run(run_dir)
         print(machinery.metrics.summary(run_dir))
         print(machinery.metrics.time_line(clock | {"wall": time.time() - started}))
         machinery.metrics.plot_run(run_dir)
@@ -392,6 +393,10 @@ def build_verifier(cfg: Config, device, loaded=None):
     dtype = machinery.options.sample_dtype(cfg)
     vmodel, vtok = loaded or machinery.model.load_model(spec, dtype=dtype)
     vmodel.requires_grad_(False).to(device)
+    folder = getattr(vmodel, "name_or_path", "")  # a checkpoint folder (a Hub snapshot's included)
+    if (verifier_backend(cfg) == "kv" and loaded is None and folder
+            and machinery.kv_fast.unsupported_reason(vmodel) is None):  # its only reader
+        machinery.kv_fast.sampling_only(vmodel, folder)
     if verifier_backend(cfg) == "vllm":  # its engine starts now, on every process
         machinery.engine.engine_for(vmodel, vtok)
     return model_verifier(vmodel, vtok, max_new_tokens=cfg.verifier_max_new_tokens,

@@ -17,12 +17,16 @@ docs/sampler.md has the design and the measurements.
 """
 import functools
 import os
+import weakref
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors import safe_open
 
-from machinery.sampler_cpu import PackedLinear, kept_weights, packing_available
+from machinery.sampler_cpu import (PackedLinear, forget_kept, kept_weights, packing_available,
+                                   release_freed_memory)
 
 KV_MODEL_TYPES = ("llama", "qwen2")
 COMPACT_WHEN_FINISHED = 1 / 8  # compact the batch once this fraction of its rows has finished
@@ -103,21 +107,63 @@ def sampling_weights(model, dtype: torch.dtype, frozen: bool) -> Weights:
     return model_weights(model, dtype)
 
 
+# models only the kv sampler reads, and the checkpoint folder their weights are read from
+_FROM_FILES = weakref.WeakKeyDictionary()
+
+
+def sampling_only(model, folder) -> bool:
+    """Make a frozen model that only the kv sampler reads (the verifier) hold no weights of its own:
+    its sampling weights are read from its checkpoint's safetensors files in `folder` (a tensor at a
+    time), kept between calls, and dropped while the policy updates (sleep). False, and nothing
+    changed, when the folder holds no safetensors file."""
+    if not sorted(Path(folder).glob("*.safetensors")):
+        return False
+    for parameter in model.parameters():
+        parameter.data = torch.empty(0, dtype=parameter.dtype, device=parameter.device)
+    _FROM_FILES[model] = Path(folder)
+    return True
+
+
+def sleep():
+    """Drop the kept sampling weights of the models that read theirs from files (the update needs
+    the memory; the next call reads them again, a few seconds for a 1.5B)."""
+    for model in list(_FROM_FILES):
+        forget_kept(model)
+
+
+def file_tensors(folder: Path, device):
+    """name -> the tensor stored under it in the folder's safetensors files, on `device`."""
+    files = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            files.update(dict.fromkeys(f.keys(), path))
+
+    def tensor(name):
+        if name not in files and name == "lm_head.weight":  # a tied head is the embedding
+            name = "model.embed_tokens.weight"
+        with safe_open(files[name], "pt") as f:
+            return f.get_tensor(name).to(device)
+    return tensor
+
+
 def model_weights(model, dtype: torch.dtype) -> Weights:
     """The model's tensors in `dtype`: the parameters themselves when the dtype matches, else one
-    cast copy each. Stacked weights are new tensors, made on every call: a training policy's weights
-    change between calls. On a CPU in bfloat16 each product's weight is packed for oneDNN
-    (sampler_cpu.PackedLinear)."""
-    cast = {}
-    pack = packing_available(dtype, next(model.parameters()).device)
+    cast copy each (read from its files for a sampling_only model). Stacked weights are new tensors,
+    made on every call: a training policy's weights change between calls. On a CPU in bfloat16
+    each product's weight is packed for oneDNN (sampler_cpu.PackedLinear)."""
+    cast, device = {}, next(model.parameters()).device
+    pack = packing_available(dtype, device)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    source = (file_tensors(_FROM_FILES[model], device) if model in _FROM_FILES
+              else named.__getitem__)
+    names = {id(p): name for name, p in reversed(named.items())}  # a tied head: the embedding's
 
     def get(t):
         if t is None:
             return None
         if id(t) not in cast:  # a tied head is cast once, together with the embedding
-            cast[id(t)] = t.detach().to(dtype)
+            cast[id(t)] = source(names[id(t)]).detach().to(dtype)
         return cast[id(t)]
-
     def linear(*modules):
         weight = (get(modules[0].weight) if len(modules) == 1
                   else torch.cat([get(m.weight) for m in modules]))
@@ -191,6 +237,8 @@ def generate_kv(model, prompt_ids, n, sampling, prompt_seeds, eos_ids, forward, 
                               else f"{progress} (rows {start}-{stop - 1})")
         rows += decode(run, [prompt_ids[r // n] for r in range(start, stop)], sampling, uniforms,
                        progress=label, tools=tools)
+    del run, w  # the sampling copy of a training model, the caches: back to the system
+    release_freed_memory()
     return rows
 
 

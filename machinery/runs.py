@@ -104,11 +104,13 @@ def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, sche
     accelerator.wait_for_everyone()
 
 
-def drop_fallback(run_dir: Path) -> None:
-    """A finished run cannot resume, so checkpoint.old/ (the fallback for a damaged newest one)
-    only holds disk: remove it once checkpoint/ is whole. Call on the main process only."""
+def finish_run(run_dir: Path) -> None:
+    """A finished run cannot resume: once checkpoint/ is whole, keep its final model (checkpoint/model,
+    a --model folder) and drop what only a resume reads, the optimizer's state (state.pt, twice the
+    weights under AdamW) and the fallback checkpoint.old/. Call on the main process only."""
     if (run_dir / "checkpoint").is_dir() and checkpoint_damage(run_dir / "checkpoint") is None:
         shutil.rmtree(run_dir / "checkpoint.old", ignore_errors=True)
+        (run_dir / "checkpoint" / "state.pt").unlink()
 
 
 def checkpoint_damage(checkpoint: Path) -> str | None:

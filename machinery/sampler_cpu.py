@@ -15,11 +15,16 @@ The packing ops are PyTorch internals (inductor's CPU linears use them) and thei
 only on CPUs with AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, hence packing_available's guard: elsewhere
 (an AVX2 CPU) sampling takes F.linear.
 """
+import ctypes
+import ctypes.util
 import functools
 import weakref
 from dataclasses import dataclass
 
 import torch
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+_LIBC = _LIBC if hasattr(_LIBC, "malloc_trim") else None  # glibc's; musl has none
 
 
 def packing_available(dtype, device) -> bool:
@@ -75,6 +80,19 @@ def parameter_versions(model) -> tuple | None:
     if any(p.is_inference() for p in parameters):
         return None
     return tuple((p.data_ptr(), p._version) for p in parameters)
+
+
+def forget_kept(model):
+    """Drop the model's kept weights (made again on its next call)."""
+    _KEPT.pop(model, None)
+
+
+def release_freed_memory():
+    """Hand what this process freed back to the system (glibc's malloc_trim): glibc keeps freed
+    blocks below its mmap threshold for reuse, and they would count in the next phase's resident
+    memory (1.4 GB after sampling the 0.5B policy, 2.2 GB after its update: bench.memory)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def kept_weights(model, key, make):

@@ -73,7 +73,7 @@ def finished_run(tmp_path_factory, tokenizer):
         mp.setenv("T3RL_DATA_DIR", str(root / "data"))
         mp.setattr(domains, "extract_answer", fake_answer)
         mp.setattr(t3rl, "build_verifier", lambda cfg, device: scripted_verifier if cfg.verify else None)
-        mp.setattr(t3rl.machinery.runs, "drop_fallback", lambda run_dir: None)
+        mp.setattr(t3rl.machinery.runs, "finish_run", lambda run_dir: None)
         run = t3rl.train(parse_config(tiny_argv(root / "tiny", root / "out", max_steps=4, save_every=2)))
     assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
     return run

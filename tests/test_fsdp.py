@@ -24,7 +24,7 @@ import torch.distributed as dist
 from machinery import domains, fsdp
 import t3rl
 domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
-t3rl.machinery.runs.drop_fallback = lambda run_dir: None  # a test cuts the run back to it
+t3rl.machinery.runs.finish_run = lambda run_dir: None  # a test cuts the run back to it
 t3rl.build_verifier = lambda cfg, device: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
 real_step, seen = t3rl.grpo_step, set()
 

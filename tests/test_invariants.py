@@ -147,10 +147,11 @@ def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, t
 
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):
     """Interrupted in step 4, after the evaluation at step 3 that follows the checkpoint at step 2: the resumed
-    run drops that evaluation's rows (metrics and per question) and logs them again, once."""
+    run drops that evaluation's rows (metrics and per question) and logs them again, once; 6 steps, so that
+    the verdict memory has classes two episodes agreed on to resume with."""
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    argv = lambda out: tiny_argv(tiny_dir, tmp_path / out, max_steps=4, eval_every=1)  # noqa: E731
+    argv = lambda out: tiny_argv(tiny_dir, tmp_path / out, max_steps=6, episodes=3, eval_every=1)  # noqa: E731
     straight = t3rl.train(parse_config(argv("a")))
 
     with interrupted_at_update(monkeypatch, 4), pytest.raises(SystemExit) as stop:
@@ -163,12 +164,12 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
     assert without_timing(rows(resumed, "metrics.jsonl")) == without_timing(rows(straight, "metrics.jsonl"))
     assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
     assert rows(resumed, "evaluations.jsonl") == rows(straight, "evaluations.jsonl")
-    assert [r["step"] for r in rows(resumed, "evaluations.jsonl")] == [s for s in range(5) for _ in QUESTIONS]
-    # the verdict memory (on by default) resumes too: the second episode reuses the first's verdicts
+    assert [r["step"] for r in rows(resumed, "evaluations.jsonl")] == [s for s in range(7) for _ in QUESTIONS]
+    # the verdict memory (on by default) resumes too: the third episode reuses what the first two agreed on
     assert rows(resumed, "verdicts.jsonl") == rows(straight, "verdicts.jsonl")
-    remembered = sum(r["remembered"] for r in rows(straight, "rollouts.jsonl") if r["step"] == 2)
-    step_2 = next(r for r in rows(straight, "metrics.jsonl") if r.get("step") == 2 and r["kind"] == "train")
-    assert remembered > 0 and step_2["verdicts_reused"] == remembered
+    remembered = sum(r["remembered"] for r in rows(straight, "rollouts.jsonl") if r["step"] == 4)
+    step_4 = next(r for r in rows(straight, "metrics.jsonl") if r.get("step") == 4 and r["kind"] == "train")
+    assert remembered > 0 and step_4["verdicts_reused"] == remembered
     a, b = final_weights(straight), final_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -48,7 +48,7 @@ def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tm
     assert len(rollouts) == 2 * 2 * 4 and sum(r["kept"] for r in rollouts) == 2 * 2 * 2
     assert {r["status"] for r in rollouts} <= {"verified", "mismatch", "skipped"}  # the preset verifies lazily
     assert all((r["status"] == "verified") == (r["answer"] == "2") for r in rollouts if r["status"] != "skipped")
-    assert (run / "checkpoint" / "state.pt").is_file() and (run / "curves.png").stat().st_size > 1000
+    assert (run / "checkpoint" / "model" / "model.safetensors").is_file() and (run / "curves.png").stat().st_size > 1000
 
 
 def train_until_interrupted(monkeypatch, argv, update: int):
@@ -103,21 +103,28 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(finished_run, tmp_p
     assert "resuming after step 2" in err
     assert_same_run(run, finished_run)  # steps 3 and 4 computed again, to the same numbers and weights
     assert (run / "checkpoint.damaged" / "model").is_dir()
-    assert torch.load(run / "checkpoint" / "state.pt", weights_only=False)["step"] == 4
-    assert not (run / "checkpoint.old").exists()  # the resumed run finished: no fallback kept
+    # the resumed run finished: its final model kept, no optimizer state, no fallback
+    assert (run / "checkpoint" / "model").is_dir() and not (run / "checkpoint" / "state.pt").exists()
+    assert not (run / "checkpoint.old").exists()
 
 
-def test_a_finished_run_keeps_only_its_last_checkpoint(tiny_dir, tmp_path, monkeypatch, patched):
+def test_a_finished_run_keeps_its_final_model_and_drops_the_optimizer_state(tiny_dir, tmp_path, monkeypatch,
+                                                                           patched):
+    """A finished run cannot resume: it keeps its last checkpoint's model, a --model folder, and drops the
+    AdamW state and the fallback checkpoint, which only a resume reads."""
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    fallbacks, drop = [], runs.drop_fallback
-    monkeypatch.setattr(runs, "drop_fallback", lambda run_dir: (
-        fallbacks.append(torch.load(run_dir / "checkpoint.old" / "state.pt", weights_only=False)["step"]),
-        drop(run_dir)))
+    before, finish = [], runs.finish_run
+    monkeypatch.setattr(runs, "finish_run", lambda run_dir: (
+        before.append(torch.load(run_dir / "checkpoint" / "state.pt", weights_only=False)["step"]),
+        before.append(torch.load(run_dir / "checkpoint.old" / "state.pt", weights_only=False)["step"]),
+        finish(run_dir)))
     run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=4, save_every=2)))
-    assert fallbacks == [2]  # the step-2 checkpoint was the fallback until the run finished
-    assert not (run / "checkpoint.old").exists()
-    assert torch.load(run / "checkpoint" / "state.pt", weights_only=False)["step"] == 4
+    assert before == [4, 2]  # the step-2 checkpoint was the fallback until the run finished
+    assert not (run / "checkpoint.old").exists() and not (run / "checkpoint" / "state.pt").exists()
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["model"]
+    final = t3rl.machinery.model.load_model(str(run / "checkpoint" / "model"))[0]
+    assert torch.equal(final.model.embed_tokens.weight, final_weights(run)["model.embed_tokens.weight"])
 
 
 def test_resume_maps_the_optimizer_state_from_its_file_instead_of_reading_it_whole(finished_run):
@@ -155,7 +162,7 @@ def test_resume_drops_torn_last_lines_and_a_stale_checkpoint_old(finished_run, t
     for leftover in ("checkpoint.old", "checkpoint.tmp"):
         (run / leftover / "model").mkdir(parents=True)
         (run / leftover / "model" / "junk.bin").write_bytes(b"0" * 100)
-    monkeypatch.setattr(runs, "drop_fallback", lambda run_dir: None)  # keep the one that replaced it
+    monkeypatch.setattr(runs, "finish_run", lambda run_dir: None)  # keep the one that replaced it
     resume(run, finished_run, monkeypatch)
     err = capsys.readouterr().err
     assert "metrics.jsonl:" in err and "rollouts.jsonl:" in err and err.count("dropped a half-written last line") == 2

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from helpers import SMALL_PROMPTS, small_vocab_model, token_rows
+from helpers import SMALL_PROMPTS, make_tiny_model, small_vocab_model, token_rows
 from machinery import kv_fast
 from machinery.sampler_cpu import PackedLinear
 from sampler import generate
@@ -43,3 +43,24 @@ def test_packed_cpu_weights_sample_what_plain_products_sample(monkeypatch):
     plain = generate(model, None, SMALL_PROMPTS, **options)
     assert token_rows(packed) == token_rows(plain)
     assert [[c.logprob for c in g] for g in packed] == [[c.logprob for c in g] for g in plain]
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_model_only_the_kv_sampler_reads_holds_no_weights_and_samples_the_same(tokenizer, tmp_path, tied,
+                                                                                 monkeypatch):
+    """kv_fast.sampling_only (the verifier's): the module's parameters are freed, the sampling weights are
+    read from its checkpoint's files, kept between calls and dropped by sleep (the update's memory), and
+    what it samples does not change."""
+    model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    sample = lambda: [c.token_ids for c in generate(  # noqa: E731
+        model, None, [[1, 2, 3, 4]], 2, 8, temperature=0.6, top_p=1.0, seed=[3], backend="kv",
+        dtype=torch.bfloat16, frozen=True)[0]]
+    tokens = sample()
+    assert kv_fast.sampling_only(model, tmp_path) and not kv_fast.sampling_only(model, tmp_path / "none")
+    assert sum(p.numel() for p in model.parameters()) == 0
+    made, real = [], kv_fast.model_weights
+    monkeypatch.setattr(kv_fast, "model_weights", lambda *a, **k: made.append(1) or real(*a, **k))
+    assert sample() == tokens and sample() == tokens and len(made) == 1
+    kv_fast.sleep()
+    assert sample() == tokens and len(made) == 2
