@@ -309,6 +309,7 @@ def train(cfg: Config) -> Path:
             if done % cfg.save_every == 0 or done == len(batches):
                 machinery.runs.save_checkpoint(run_dir, done, learner.policy, learner.tokenizer,
                                                learner.optimizer, learner.scheduler, accelerator)
+        machinery.runs.drop_optimizer_state(learner.optimizer)  # the last checkpoint holds it
         with clock("evaluation"):
             evaluation(len(batches), final=True)
     if accelerator.is_main_process:

@@ -23,6 +23,7 @@ import torch
 
 from machinery import fsdp
 from machinery.files import drop_torn_tail, keep_jsonl, read_jsonl_rows, write_atomically
+from machinery.sampler_cpu import release_freed_memory
 from machinery.update import bf16_supported
 
 # The process group's timeout for every collective (NCCL's default: 10 minutes): the others wait at
@@ -111,6 +112,15 @@ def finish_run(run_dir: Path) -> None:
     if (run_dir / "checkpoint").is_dir() and checkpoint_damage(run_dir / "checkpoint") is None:
         shutil.rmtree(run_dir / "checkpoint.old", ignore_errors=True)
         (run_dir / "checkpoint" / "state.pt").unlink()
+
+
+def drop_optimizer_state(optimizer) -> None:
+    """Free the optimizer's state and gradients once the last checkpoint holds them: the final
+    evaluation needs neither, and AdamW's two moments are twice the weights (the run's peak held
+    them beside the samplers). A resume reads them from state.pt."""
+    optimizer.zero_grad(set_to_none=True)
+    getattr(optimizer, "optimizer", optimizer).state.clear()  # accelerate wraps the torch optimizer
+    release_freed_memory()
 
 
 def checkpoint_damage(checkpoint: Path) -> str | None:

@@ -127,6 +127,26 @@ def test_a_finished_run_keeps_its_final_model_and_drops_the_optimizer_state(tiny
     assert torch.equal(final.model.embed_tokens.weight, final_weights(run)["model.embed_tokens.weight"])
 
 
+def test_the_final_evaluation_runs_without_the_optimizer_state(tiny_dir, tmp_path, monkeypatch, patched):
+    """The last checkpoint holds AdamW's moments, so the final evaluation runs without them (they were
+    the main job's peak memory); the evaluations before it still have them."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    held, log_evaluation = [], t3rl.log_evaluation
+
+    def recording(learner, records, step, log, final=False, coverage=None):
+        moments = [s for s in learner.optimizer.state.values() if "exp_avg" in s]
+        grads = [p.grad for p in learner.policy.parameters() if p.grad is not None]
+        held.append((step, final, len(moments), len(grads)))
+        return log_evaluation(learner, records, step, log, final=final, coverage=coverage)
+
+    monkeypatch.setattr(t3rl, "log_evaluation", recording)
+    t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, eval_every=1)))
+    assert [(step, final) for step, final, _, _ in held] == [(0, False), (1, False), (2, True)]
+    assert held[1][2] > 0  # mid-run: AdamW's moments are there
+    assert held[2][2:] == (0, 0)  # final: neither moments nor gradients
+
+
 def test_resume_maps_the_optimizer_state_from_its_file_instead_of_reading_it_whole(finished_run):
     """state.pt is loaded memory-mapped: on every process its pages come in as the optimizer takes
     them, rather than the whole file (18.5 GB at the paper's size) at once."""
