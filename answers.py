@@ -147,16 +147,6 @@ def extract_answer(text):
     return _last_run(short, _math_spans(short))[1]
 
 
-_LAST_NUMBER = re.compile(r"-?\d*\.?\d+")
-
-
-def last_number(text):
-    """The last number in a text, or None: TTRL's original parser's fallback. "... so there are 25
-    ways." -> "25"."""
-    numbers = _LAST_NUMBER.findall((text or "").replace(",", ""))
-    return numbers[-1] if numbers else None
-
-
 # --------------------------------------------------------------------------------------------------
 # Canonical keys (string rules only)
 

@@ -1,172 +1,122 @@
-r"""Tool verification (T3RL): does a program the verifier writes from the problem compute the
+r"""Tool verification (T3RL): does a program the verifier LLM writes from the problem compute the
 rollout's answer?
 
-For question x and rollout y_i with answer a_i, a verifier LLM turns the rollout into a short
+For a problem x and a rollout y_i with answer a_i, the verifier turns the rollout into a short
 program that recomputes the answer from the problem (the rollout is only a hint; VERIFIER_SYSTEM
 forbids copying the candidate in), the sandbox runs it, and
 
-    t_i = the tool's result (for Python: the last non-empty line the program prints)
-    v_i = 1[ the program ran cleanly  and  t_i ~ a_i  and  it did not hard-code a_i ]
+    t_i = the program's result (the last non-empty line it prints)
+    v_i = 1[ it ran cleanly  and  t_i ~ a_i  and  it did not copy a_i in ]
 
-~ is the domain's agreement test (math: machinery/python_tool.py's tool_agrees, is_equiv on t_i as
-printed and as sympy's LaTeX of it); hard-coding is decided on the program's AST (guard.py). With
-k programs per rollout, v_i = 1 when any reproduces a_i; a failed program
-gets one repair turn (machinery/verdicts.py). Every rollout gets a status:
-    verified    v_i = 1 (repaired: after repair)  no_answer   a_i is None: no verifier call spent
-    mismatch    ran, printed something else      no_code     the completion holds no code block
-    exec_error  raised, or hit a sandbox limit   timeout     ran past the sandbox's time limit
-    hardcoded   the printed value is a_i copied  skipped     no verdict of it could change the
-                                                             vote (lazy)
-
-verify_batch verifies a whole step at once: one call of `verifier` (list of VerifierPrompt -> list
-of VerifierReply; model_verifier wraps a model in one batched sampler.generate call) and one call of
-the domain's tool (math: one sandbox run_many of the programs); with a budget or lazily,
-machinery/lazy_verify.py says which rollouts go into each call. A domain (machinery/domains.py)
-brings the prompts, the tool and the agreement test. Details and measurements: docs/verifier.md.
+~ is tool_agrees (answers.is_equiv on t_i as printed and as sympy's LaTeX of it); copying is
+decided on the program's AST (machinery/guard.py). `verify_batch` does it for a step's rollouts in one
+verifier call and one sandbox batch, the paper's one program per rollout. Every rollout gets a
+status:
+    verified    v_i = 1                          no_answer   a_i is None: no verifier call
+    mismatch    ran, printed something else      no_code     the reply holds no code block
+    exec_error  raised, or hit a sandbox limit   timeout     ran past the time limit
+    hardcoded   the printed value is a_i copied
+Beyond the paper, each at its one call in t3rl.setup: several programs and repair
+(extensions/programs.py), verifying some rollouts for their class (extensions/budget.py), the
+verdict memory (extensions/memory.py), Knights and Knaves' SMT tool (extensions/knk.py).
 """
 import hashlib
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from fractions import Fraction
+from typing import Callable
+
+from answers import answer_key, computed_float_equiv, extract_answer, is_equiv, same_answer
+from machinery.guard import hardcoded
+
+SANDBOX_TIMEOUT = 5.0   # seconds a program may run
+TEMPERATURE, TOP_P = 0.6, 0.95   # the verifier's sampling: the paper's
+MAX_ROLLOUT_CHARS = 4000   # the end of a long rollout holds its answer: its last 4000 characters
 
 
-
-def verify_batch(problems, rollouts, answers, verifier, domain, sandbox=None, *, budget=0,
-                 omega=None, groups=None, seeds=None, programs=3, repair=True, memory=None):
-    """Tool-verify each rollout: one Verification per rollout, in order.
-
-    problems, rollouts, answers: one entry per rollout (a None answer is no_answer, without a
-    verifier call). groups: one key per rollout; rollouts with the same key vote together (None: the
-    problem's text, so two questions with the same text need keys of their own). seeds: one per
-    rollout, the verifier's sampling seed for its program (VerifierPrompt.seed; None: none).
-    verifier: list of VerifierPrompt -> list of VerifierReply (or str). domain: a domains.Domain
-    (its prompts, tool and agreement test). sandbox: passed to the tool (None: a default pool).
-    budget, omega: which rollouts are sent (verification_rounds); the rest inherit a verdict
-    (budget) or are "skipped" (v = 0; omega: whatever they would show, the label and rewards do not
-    change). programs: k programs per rollout, v = 1 when any reproduces a_i; repair: a program that
-    fails gets one more turn with its error (machinery/verdicts.py). memory: a
-    verdicts.VerdictMemory whose settled answer classes (groups
-    are its question ids) keep their verdict without a verifier call; the caller teaches it.
-    """
-    groups, seeds = groups or problems, seeds or [None] * len(problems)
-    if not len(problems) == len(rollouts) == len(answers) == len(groups) == len(seeds):
-        raise ValueError(f"verify_batch: problems ({len(problems)}), rollouts ({len(rollouts)}), "
-                         f"answers ({len(answers)}), groups ({len(groups)}) and seeds "
-                         f"({len(seeds)}) need one entry per rollout")
-    if not isinstance(budget, int) or budget < 0:
-        raise ValueError(f"budget={budget!r}: pass K >= 1 rollouts per answer class, "
-                         f"or 0 to verify all")
-    # which rollouts, call by call
-    from machinery.lazy_verify import inherit_verdicts, verification_rounds
-    results = [None] * len(rollouts)
-    for i, known in memory.recall(groups, answers, results) if memory is not None else []:
-        results[i] = Verification(v=known["v"], status=known["status"], result=known["result"],
-                                  inferred=True, remembered=True)
-    for classes in verification_rounds(groups, answers, results, domain, budget, omega):
-        classes = [members for members in classes if any(results[i] is None for i in members)]
-        sent = sorted(i for members in classes for i in (members[:budget] if budget else members)
-                      if results[i] is None)
-        if sent:
-            verdicts = verify_rollouts([problems[i] for i in sent], [rollouts[i] for i in sent],
-                                       [answers[i] for i in sent], verifier, domain, sandbox,
-                                       [seeds[i] for i in sent], programs=programs,
-                                       repair=repair)
-            for i, verdict in zip(sent, verdicts):
-                results[i] = verdict
-            inherit_verdicts(classes, results, budget)
-    for i, answer in enumerate(answers):
-        if answer is None:
-            results[i] = Verification(v=0, status="no_answer", result=None)
-        elif results[i] is None:
-            results[i] = Verification(v=0, status="skipped", result=None)
-    return results
+@dataclass(frozen=True)
+class ToVerify:
+    """One rollout to verify, and what it belongs to."""
+    problem: str
+    text: str
+    answer: str | None
+    question: str        # its question's id: rollouts of one question vote together
+    seed: int | None     # its program's sampling seed (run, step, question, rollout)
+    step: int = -1       # the training step it was sampled at (-1: an evaluation)
 
 
 @dataclass
 class Verification:
     """The verdict on one rollout."""
-    v: float                       # 1 when the tool's result is equivalent to the rollout's answer
-    status: str                    # one of STATUSES_VERIFY
-    result: str | None             # the tool's result t_i
-    code: str | None = None        # the verifier's program (None: no verifier call for it)
-    completion: str | None = None  # the verifier's whole completion
+    v: int                         # 1: a program reproduced the rollout's answer
+    status: str                    # one of STATUSES
+    result: str | None             # the program's result t_i
+    code: str | None = None        # the program (None: no verifier call for it)
+    completion: str | None = None  # the verifier's whole reply
     output: str = ""               # what the program printed
-    # verifier tokens generated for this rollout (None: the verifier does not say)
-    tokens: int | None = 0
-    # verifier generation time for this rollout: the batch's wall time / rollouts sent
-    seconds: float = 0.0
+    tokens: int | None = 0         # verifier tokens generated for it (None: the verifier says not)
+    seconds: float = 0.0           # the verifier call's wall time / rollouts sent
     tool_seconds: float = 0.0      # time the program ran
-    # True: not sent to the verifier; the outcome of its answer class (budget; memory: remembered)
-    inferred: bool = False
-    repaired_from: str | None = None  # a repaired program's verdict: the first one's status
-    remembered: bool = False       # the verdict of its answer class in an earlier step (memory)
-    # each program's {"status", "v", "repaired_from", "tokens"} (programs > 1; --replay re-votes)
-    programs: list | None = None
+    inferred: bool = False         # its class's verdict, not its own (extensions: budget, memory)
+    repaired_from: str | None = None  # extensions/programs.py: the status before repair
+    remembered: bool = False       # extensions/memory.py: an earlier step's verdict
+    programs: list | None = None   # extensions/programs.py: each program's status
 
 
-# "repaired": verified by a program that the verifier repaired after its first one failed
-STATUSES_VERIFY = ("verified", "repaired", "mismatch", "no_answer", "no_code", "exec_error",
-                   "timeout", "hardcoded", "skipped")
+STATUSES = ("verified", "repaired", "mismatch", "no_answer", "no_code", "exec_error", "timeout",
+            "hardcoded", "skipped")
 
 
-def verify_rollouts(problems, rollouts, answers, verifier, domain, sandbox, seeds, *, programs=3,
-                    repair=True):
-    """The verifier's programs for these rollouts (every answer given), in one verifier and one tool
-    call, k = programs per rollout; with repair one more of each for the programs that failed. A
-    Verification per rollout, from its programs' (machinery/verdicts.py combine)."""
-    from machinery import verdicts
-    start = time.perf_counter()
-    asked = [(i, verifier_prompt(problems[i], rollouts[i], domain,
-                                 verdicts.program_seed(seeds[i], j)))
-             for i in range(len(problems)) for j in range(programs)]
-    runs = run_programs(asked, problems, answers, verifier, domain, sandbox)
-    failed = [n for n, run in enumerate(runs) if repair and verdicts.needs_repair(run, domain)]
-    repairs = [(asked[n][0], VerifierPrompt(domain.verifier_system, *verdicts.repair_prompt(
-        problems[asked[n][0]], runs[n], domain, asked[n][1].seed))) for n in failed]
-    fixes = run_programs(repairs, problems, answers, verifier, domain, sandbox)
-    for n, fix in zip(failed, fixes):
-        runs[n] = verdicts.repaired(runs[n], fix)
-    seconds = (time.perf_counter() - start) / len(problems)
-    return [verdicts.combine(runs[i * programs:(i + 1) * programs], seconds)
-            for i in range(len(problems))]
+def verify_batch(rollouts: list, known: list, verifier, pool, domain=None) -> list:
+    """A Verification per rollout: `known` ones kept, every other one verified by one program, all
+    of them in one verifier call and one sandbox batch (a rollout without an answer: no_answer).
+    verifier: [VerifierPrompt] -> [VerifierReply]; domain: what to prompt, run and compare (MATH)."""
+    domain = domain or MATH
+    todo = [i for i, (r, k) in enumerate(zip(rollouts, known)) if k is None and r.answer is not None]
+    started = time.perf_counter()
+    runs = run_programs([(rollouts[i], verifier_prompt(rollouts[i], domain)) for i in todo],
+                        verifier, pool, domain)
+    seconds = (time.perf_counter() - started) / max(len(todo), 1)
+    results = list(known)
+    for i, run in zip(todo, runs):
+        results[i] = replace(run, seconds=seconds)
+    return [Verification(0, "no_answer", None) if r.answer is None else result
+            for r, result in zip(rollouts, results)]
 
 
-def run_programs(asked, problems, answers, verifier, domain, sandbox):
-    """One verifier call for the (rollout, VerifierPrompt) pairs asked and one tool call for the
+def run_programs(asked: list, verifier, pool, domain) -> list:
+    """One verifier call for the (rollout, VerifierPrompt) pairs asked, one sandbox batch for the
     programs it writes: a Verification per prompt."""
     if not asked:
         return []
     replies = verifier([prompt for _, prompt in asked])
     if len(replies) != len(asked):
-        raise ValueError(f"the verifier returned {len(replies)} completions for {len(asked)} "
-                         f"prompts")
-    replies = [reply if isinstance(reply, VerifierReply) else VerifierReply(str(reply))
-               for reply in replies]
+        raise ValueError(f"the verifier gave {len(replies)} replies to {len(asked)} prompts")
+    replies = [r if isinstance(r, VerifierReply) else VerifierReply(str(r)) for r in replies]
     programs = [domain.extract_program(reply.text) for reply in replies]
     with_code = [k for k, program in enumerate(programs) if program is not None]
-    runs = dict(zip(with_code, domain.tool([programs[k] for k in with_code], sandbox)))
+    runs = dict(zip(with_code, domain.tool([programs[k] for k in with_code], pool)))
     results = []
-    for k, (reply, (i, _)) in enumerate(zip(replies, asked)):
+    for k, (reply, (rollout, _)) in enumerate(zip(replies, asked)):
         run = runs.get(k)
-        status = verdict_status(run, programs[k], problems[i], answers[i], domain)
+        status = verdict_status(run, programs[k], rollout, domain)
         results.append(Verification(
-            v=int(status == "verified"), status=status, result=run and run.result, code=programs[k],
-            completion=reply.text, output=run.output if run else "", tokens=reply.tokens,
-            tool_seconds=run.seconds if run else 0.0))
+            int(status == "verified"), status, run and run.result, programs[k], reply.text,
+            run.output if run else "", reply.tokens, tool_seconds=run.seconds if run else 0.0))
     return results
 
 
-def verdict_status(run, program, problem, answer, domain) -> str:
-    """A rollout's status from the tool's run of its program
-    (None: the completion held no program)."""
+def verdict_status(run, program, rollout: ToVerify, domain) -> str:
+    """A rollout's status from the run of its program (None: the reply held no program)."""
     if run is None:
         return "no_code"
-    if run.status == "ok" and domain.agrees(run, answer):  # unless the program copied a_i in
-        return ("hardcoded" if domain.hardcoded and domain.hardcoded(program, problem, answer)
+    if run.status == "ok" and domain.agrees(run, rollout.answer):  # unless it copied a_i in
+        return ("hardcoded" if domain.hardcoded and domain.hardcoded(program, rollout.problem,
+                                                                     rollout.answer)
                 else "verified")
-    if run.status == "ok":
-        return "mismatch"
-    return {"error": "exec_error", "timeout": "timeout", "hardcoded": "hardcoded"}[run.status]
+    return {"ok": "mismatch", "error": "exec_error", "timeout": "timeout",
+            "hardcoded": "hardcoded"}[run.status]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -174,9 +124,7 @@ def verdict_status(run, program, problem, answer, domain) -> str:
 
 @dataclass(frozen=True)
 class VerifierPrompt:
-    """One verifier request: its domain's system prompt and the user message for one rollout, and
-    the seed of what it is about
-    (the run, step, question and rollout; None: its text alone seeds it)."""
+    """One request: the domain's system prompt, the user message for one rollout, and its seed."""
     system: str
     user: str
     seed: int | None = None
@@ -184,45 +132,40 @@ class VerifierPrompt:
 
 @dataclass(frozen=True)
 class VerifierReply:
-    """One verifier completion and the tokens it took (None: the verifier does not say)."""
+    """One reply and the tokens it took (None: the verifier does not say)."""
     text: str
     tokens: int | None = None
 
 
-# the end of a rollout holds its answer: longer ones keep their last 4000 characters
-MAX_ROLLOUT_CHARS = 4000
+def verifier_prompt(rollout: ToVerify, domain) -> VerifierPrompt:
+    """The request for one rollout, its reasoning cut to its last MAX_ROLLOUT_CHARS characters."""
+    text = rollout.text
+    if len(text) > MAX_ROLLOUT_CHARS:
+        text = "[... beginning cut ...]\n" + text[-MAX_ROLLOUT_CHARS:]
+    user = domain.verifier_user.format(problem=rollout.problem.strip(), rollout=text.strip())
+    return VerifierPrompt(domain.verifier_system, user, rollout.seed)
 
 
-def verifier_prompt(problem, rollout, domain, seed=None) -> VerifierPrompt:
-    """The request for one rollout; its reasoning is cut to the last MAX_ROLLOUT_CHARS characters
-    (~1.2k tokens), so a prompt stays bounded by that, the problem and the system prompt."""
-    if len(rollout) > MAX_ROLLOUT_CHARS:
-        rollout = "[... beginning cut ...]\n" + rollout[-MAX_ROLLOUT_CHARS:]
-    return VerifierPrompt(domain.verifier_system, domain.verifier_user.format(
-        problem=problem.strip(), rollout=rollout.strip()), seed)
+def model_verifier(model, tokenizer, max_new_tokens: int, seed=None, generate=None):
+    """[VerifierPrompt] -> [VerifierReply] through one batched sampler call (generate: sampler's,
+    or a backend's of the same signature), each prompt in the model's chat template at the paper's
+    temperature and top-p. With a seed, each prompt samples with a seed of (seed, its own, its
+    text): a program depends on what it verifies, not on the call it comes in, so a resumed run
+    writes the programs an uninterrupted one would."""
+    import sampler  # torch, once a model verifier is built
+    generate = generate or sampler.generate
 
-
-def model_verifier(model, tokenizer, max_new_tokens=1024, temperature=0.6, top_p=0.95, seed=None,
-                   backend="kv"):
-    """A verifier callable around a model: list of VerifierPrompt -> list of VerifierReply, one
-    batched sampler call, each prompt in the model's chat template. With a seed, each prompt samples
-    with a seed of (seed, the prompt's seed, its text): what a program is depends on what it
-    verifies, not on the call or the batch it comes in, so a resumed run writes the programs an
-    uninterrupted one would."""
-    from sampler import generate  # torch is needed only once a model verifier is built
-
-    def verify(prompts):
+    def verify_prompts(prompts):
         chats = [tokenizer.apply_chat_template([{"role": "system", "content": p.system},
                                                 {"role": "user", "content": p.user}],
                                                tokenize=False, add_generation_prompt=True)
                  for p in prompts]
         seeds = None if seed is None else [prompt_seed(seed, p) for p in prompts]
-        groups = generate(model, tokenizer, chats, n=1, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, seed=seeds, backend=backend,
-                          progress="verifier" if backend == "kv" else None, frozen=True)
+        groups = generate(model, tokenizer, chats, 1,
+                          sampler.Sampling(max_new_tokens, TEMPERATURE, TOP_P),
+                          seed=seeds, progress="verifier")
         return [VerifierReply(group[0].text, group[0].num_tokens) for group in groups]
-
-    return verify
+    return verify_prompts
 
 
 def prompt_seed(seed: int, prompt: VerifierPrompt) -> int:
@@ -269,54 +212,130 @@ Candidate solution (it may be wrong):
 
 Write the Python program that computes the answer to the problem."""
 
-# the repair turn (--verifier-repair): a program that raised, ran too long or printed nothing
-REPAIR_USER = """Problem:
-{problem}
-
-This program should compute the answer to the problem:
-```python
-{program}
-```
-Running it gave:
-```
-{error}
-```
-
-Write the corrected Python program that computes the answer and prints it."""
-
-
 FENCE_PYTHON = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n]*\n(.*?)(?:```|\Z)",
                           re.DOTALL | re.IGNORECASE)
 FENCE_ANY = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
-def first_block(text, fences):
-    """The first non-empty block of the first fence pattern that has one; a block left open (the
-    completion hit its token limit) runs to the end of the text."""
-    for fence in fences:
+def extract_code(text):
+    """The first non-empty ```python block of a reply, else its first fenced block, else None; a
+    block left open (the reply hit its token limit) runs to the end."""
+    for fence in (FENCE_PYTHON, FENCE_ANY):
         m = fence.search(text)
         if m and m.group(1).strip():
             return m.group(1)
     return None
 
 
-def extract_code(text):
-    """The first ```python block of a verifier completion, else its first fenced block,
-    else None."""
-    return first_block(text, (FENCE_PYTHON, FENCE_ANY))
-
-
 # --------------------------------------------------------------------------------------------------
-# The tool: a function (programs, sandbox) -> one ToolRun per program. Another tool (an SMT solver
-# for logic puzzles, knk.py) only has to keep this signature.
+# The tool: (programs, pool) -> one ToolRun per program (extensions/knk.py brings another)
 
 @dataclass
 class ToolRun:
     """What the tool made of one program."""
-    # "ok", "error", "timeout", or "hardcoded" (a tool that decides it itself: knk's)
-    status: str
-    result: str | None        # the tool's answer t_i: the last non-empty line of stdout
-    output: str               # everything the program printed (stdout, then stderr), for reading
-    seconds: float            # time the program ran
-    # sympy's LaTeX of a result that is a Python expression (None: no such spelling)
-    latex: str | None = None
+    status: str               # ok, error, timeout, or hardcoded (a tool that decides it: knk's)
+    result: str | None        # t_i: the last non-empty line of stdout
+    output: str               # everything it printed (stdout, then stderr), for reading
+    seconds: float
+    latex: str | None = None  # sympy's LaTeX of a result that is a Python expression
+
+
+# the modules at hand under the names programs give them by habit: a program that writes sp.solve
+# after `import sympy` fails on a name, not on its mathematics
+PYTHON_PRELUDE = "import math, fractions\nimport numpy, numpy as np\nimport sympy, sympy as sp\n"
+# sympy prints sqrt(3)/3 or (3, pi/2), which the answer side's LaTeX parser reads poorly: sympy
+# writes it in LaTeX, in the sandbox too (sympify evaluates untrusted text)
+_PYTHON_EXPRESSION = re.compile(r"[A-Za-z*(\[{]")
+_LATEX_SNIPPET = "import sympy\nprint(sympy.latex(sympy.sympify({text!r})))"
+_MACHINE_FLOAT = re.compile(r"[-+]?\d*\.\d{7,}(?:e[-+]?\d+)?|[-+]?\d+(?:\.\d*)?e[-+]?\d+",
+                            re.IGNORECASE)
+
+
+def python_tool(codes, pool) -> list:
+    """Run every program after PYTHON_PRELUDE in the sandbox pool (one run_many), never in this
+    process; then spell the results that are Python expressions in LaTeX (one more run_many)."""
+    runs = pool.run_many([PYTHON_PRELUDE + code for code in codes]) if codes else []
+    tool_runs = [ToolRun("ok" if r.status == "ok" else "timeout" if r.status == "timeout"
+                         else "error", last_line(r.stdout),
+                         r.stdout + ("\n" if r.stdout and r.stderr else "") + r.stderr, r.duration)
+                 for r in runs]
+    spell = [t for t in tool_runs
+             if t.status == "ok" and t.result and _PYTHON_EXPRESSION.search(t.result)]
+    if spell:
+        snippets = [_LATEX_SNIPPET.format(text=value_text(t.result)) for t in spell]
+        for t, run in zip(spell, pool.run_many(snippets)):
+            t.latex = run.stdout.strip() if run.status == "ok" and run.stdout.strip() else None
+    return tool_runs
+
+
+def last_line(text: str) -> str | None:
+    """The last non-empty line of text, stripped (None: there is none)."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[-1] if lines else None
+
+
+def value_text(result):
+    """The value in a printed line: 'The answer is 9.' -> '9', 'Result: 14/3' -> '14/3'."""
+    m = re.fullmatch(r"[A-Za-z][A-Za-z ,'()-]*?(?:\bis|:|=)\s*(.+?)\.?", result)
+    return m.group(1) if m else result
+
+
+def python_spelling(result):
+    """Python's notation in the answer side's: x**2 -> x^2, pi -> \\pi, I -> i, [1, 2] -> 1, 2."""
+    s = result.replace("**", "^")
+    s = re.sub(r"(?<![\\a-zA-Z])pi(?![a-zA-Z])", r"\\pi", s)
+    s = re.sub(r"(?<![\\a-zA-Z])(?:(\d)\*)?I(?![a-zA-Z])", r"\1i", s)  # 9*I -> 9i
+    return s[1:-1] if s.startswith("[") and s.endswith("]") else s
+
+
+def tool_agrees(result, answer, latex=None) -> bool:
+    """t_i ~ a_i: equivalent as printed, as sympy's LaTeX of it, or as the value after a label. A
+    float printed at machine precision (1/3 -> 0.3333333333333333) is a computed double: it matches
+    a rational answer within relative 1e-9, another exact one at the double's precision; shorter
+    decimals compare exactly (0.33 != 1/3)."""
+    if result is None:
+        return False
+    if is_equiv(result, answer) or (latex is not None and is_equiv(latex, answer)):
+        return True
+    if value_text(result) != result:
+        return tool_agrees(value_text(result), answer)
+    if python_spelling(result) != result and is_equiv(python_spelling(result), answer):
+        return True
+    if _MACHINE_FLOAT.fullmatch(result):
+        try:
+            value = Fraction(answer_key(answer))
+        except (ValueError, ZeroDivisionError):
+            return computed_float_equiv(result, answer)
+        return abs(float(result) - value) <= 1e-9 * max(1.0, abs(float(value)))
+    return False
+
+
+# --------------------------------------------------------------------------------------------------
+# A domain: what the loop needs of a benchmark's answers and how its verifier checks them
+
+@dataclass(frozen=True)
+class Domain:
+    name: str
+    instruction: str           # the policy's system prompt
+    extract: Callable          # (rollout text, problem) -> its final answer, or None
+    same: Callable             # (answer, answer) -> in one vote class (voting's `same`)
+    key: Callable              # answer -> a cheap class key (voting's `key`)
+    equiv: Callable            # (answer, gold) -> right: evaluation and monitors only
+    verifier_system: str
+    verifier_user: str         # with {problem} and {rollout}
+    extract_program: Callable  # reply -> the program, or None
+    tool: Callable             # (programs, pool) -> a ToolRun each
+    agrees: Callable           # (ToolRun, answer) -> the tool computed that answer
+    hardcoded: Callable | None = None  # (program, problem, answer) -> it copied the answer in
+
+    @property
+    def classes(self) -> dict:
+        """same= and key=, as voting's functions take them."""
+        return dict(same=self.same, key=self.key)
+
+
+MATH = Domain("math", "Please reason step by step, and put your final answer within \\boxed{}.",
+              lambda text, problem: extract_answer(text), same_answer, answer_key, is_equiv,
+              VERIFIER_SYSTEM, VERIFIER_USER,
+              extract_code, python_tool, lambda run, answer: tool_agrees(run.result, answer,
+                                                                          run.latex), hardcoded)

@@ -16,9 +16,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from grpo import GRPOSettings, Rollouts, aggregate, group_advantages, grpo_step
-from machinery.optim import cosine_schedule, make_optimizer
-from machinery.batches import pad_batch
+from config import Config
+from grpo import Rollouts, aggregate, group_advantages, grpo_step, make_optimization, pad_batch
 from machinery.logprobs import set_checkpointing
 from machinery.model import load_model
 
@@ -78,17 +77,17 @@ def bench_config(name: str) -> dict:
         loss.backward()
         seconds = time.perf_counter() - started
     else:
-        optimizer = make_optimizer(model, lr=5e-7)
-        scheduler = cosine_schedule(optimizer, total_steps=100)
+        cfg = Config(n_train=group_size, mini_batch_questions=0, loss_agg="dapo", temperature=1.0,
+                     micro_batch_rollouts=0, micro_batch_tokens=BENCH_TOKEN_BUDGET,
+                     grad_checkpointing=ckpt)
+        optimizer, scheduler = make_optimization(model, cfg, total_steps=100)
         # allocate the AdamW moments first, so the measured update is a steady-state one
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        settings = GRPOSettings(group_size=group_size, bf16=bf16, gradient_checkpointing=ckpt,
-                                token_budget=BENCH_TOKEN_BUDGET)
         seconds = grpo_step(model, optimizer, scheduler, Rollouts(prompts, completions, rewards),
-                            settings)["seconds"]
+                            cfg, bf16=bf16)["seconds"]
     return {"name": name, "seconds": seconds,
             "tokens": sum(len(p) + len(c) for p, c in zip(prompts, completions)),
             "params": sum(p.numel() for p in model.parameters()),

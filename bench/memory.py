@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import t3rl
+from config import parse_config
 from machinery import metrics
 from machinery.model import load_model
 
@@ -88,7 +89,7 @@ def tensor_sizes(cfg) -> list[tuple[str, float]]:
             ("AdamW moments (2 x float32)", 8 * n),
             (f"policy sampling copy ({cfg.sample_dtype}, while sampling)", sampling * n)]
     del policy
-    if cfg.verify:
+    if cfg.verifier_model != "none":
         spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
         verifier = load_model(spec, dtype=cfg.sample_dtype)[0]
         v = sum(p.numel() for p in verifier.parameters())
@@ -101,11 +102,11 @@ def tensor_sizes(cfg) -> list[tuple[str, float]]:
 def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     out = Path(tempfile.mkdtemp(prefix="t3rl-memory-"))
-    command = t3rl.machinery.options.parse_command(argv + ["--out-dir", str(out),
-                                                           "--run-name", "probe"])
+    gpu = torch.cuda.is_available()
+    cfg = parse_config(argv + ["--out-dir", str(out), "--run-name", "probe"], gpu)
     started, wrote = time.time(), written_bytes()
     with Probe().watching() as probe:
-        run_dir = t3rl.train(command.cfg)
+        run_dir = t3rl.train(cfg, gpu)
     wrote, wall = written_bytes() - wrote, time.time() - started
     folder = int(subprocess.run(["du", "-sb", str(run_dir)], capture_output=True, text=True)
                  .stdout.split()[0])
@@ -117,7 +118,7 @@ def main(argv=None):
     print(f"{'run peak':<12}{status_bytes('VmHWM') / 1e9:>12.2f}  (VmHWM)")
     print(f"written to disk {wrote / 1e9:.1f} GB; run folder {folder / 1e9:.2f} GB")
     print("tensors by count:")
-    for name, size in tensor_sizes(command.cfg):
+    for name, size in tensor_sizes(cfg):
         print(f"  {name:<44}{size:>6.2f} GB")
     shutil.rmtree(out, ignore_errors=True)
 

@@ -1,33 +1,30 @@
-"""Benchmarks of sampler.py: the hf and kv backends side by side (tokens per second, milliseconds
-per decode step, and the floors the machine allows: bytes per step over the memory bandwidth, FLOP
-per step over the matmul rate), and, with --verifier-prompts, the kv sampler against its older self
-(a git revision) on one step's verifier prompts.
+"""Benchmarks of the samplers: hf, the plain kv loop (sampler.py) and its fast path
+(extensions/kv_fast.py) side by side (tokens per second, milliseconds per decode step, and the
+floors the machine allows: bytes per step over the memory bandwidth, FLOP per step over the matmul
+rate), and, with --verifier-prompts, kv against kv-fast on one step's verifier prompts (shared
+prefixes, packed weights).
 
     python -m bench.sampler [--n 8 32] [--dtypes float32 bfloat16] [--compile]
-    python -m bench.sampler --verifier-prompts [--max-new-tokens 256] [--baseline REV]
+    python -m bench.sampler --verifier-prompts [--max-new-tokens 256]
 """
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
-import types
 from copy import deepcopy
 
 import torch
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config
 
-import sampler
-from machinery.kv_fast import head_dim_of, model_weights, prefix_plan
+from extensions import kv_fast
+from extensions.kv_fast import prefix_plan
+from grpo import bf16_supported
 from machinery.model import load_model, offline_model
-from sampler import generate
-from machinery.domains import MATH
-from machinery.update import bf16_supported
-from verifier import verifier_prompt
+from sampler import Sampling, generate
+from verifier import MATH, ToVerify, verifier_prompt
 
-# git show reads sampler.py's history here
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QWEN25_1_5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
                    num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
@@ -40,6 +37,21 @@ BENCH_PROMPT = ("<|im_start|>system\nPlease reason step by step, and put your fi
                 "smallest positive integer $k$ with $a_k = a_1$, and "
                 "determine the sum $a_1 + a_2 + \\cdots + a_{10}$ modulo $97$.<|im_end|>\n"
                 "<|im_start|>assistant\n")
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sample(backend, model, tokenizer, prompts, n, max_new_tokens, dtype=None, compile=False,
+           temperature=0.6):
+    """generate on one backend (kv-fast: extensions/kv_fast.py, compiled when asked), seeded, EOS
+    ignored."""
+    sampling = Sampling(max_new_tokens, temperature, 0.95, dtype, ignore_eos=True)
+    if backend == "kv-fast":
+        kv_fast.SETTINGS.compile = compile
+        return kv_fast.generate(model, tokenizer, prompts, n, sampling, seed=0)
+    return generate(model, tokenizer, prompts, n, sampling, seed=0, backend=backend)
 
 
 def bench_model(spec: str, device: str):
@@ -108,7 +120,7 @@ def matmul_seconds(model, rows, dtype, device) -> float:
     """One decode step's matrix products alone (every layer's projections and the head) on `rows`
     rows with the model's weights, at their best: what a step would cost if nothing else took any
     time."""
-    w, config = model_weights(model, dtype), model.config
+    w, config = kv_fast.sampling_weights(model, dtype), model.config
     hidden, attention = config.hidden_size, config.num_attention_heads * head_dim_of(config)
     products = [(lin, width) for layer in w.layers
                 for lin, width in ((layer.qkv, hidden), (layer.o, attention),
@@ -128,27 +140,26 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
           f"{device}, prompt {len(prompt)} tokens, {max_new_tokens} new tokens, EOS ignored, "
           f"temperature 0.6, top_p 0.95; "
           f"memory bandwidth {bandwidth / 1e9:.1f} GB/s")
-    runs = []  # (label, model, kv options)
+    runs = []  # (label, backend, model, options)
     for dtype in dtypes:
         model = base if dtype == torch.float32 else deepcopy(base).to(dtype)
         name = str(dtype).removeprefix("torch.")
-        runs += [(name, "hf", model, {}), (name, "kv", model, {})]
+        runs += [(name, backend, model, {}) for backend in ("hf", "kv", "kv-fast")]
         if dtype == torch.bfloat16:
-            runs.append(("f32 weights, dtype=bf16", "kv", base, {"dtype": dtype}))
-    if compile:  # compiled twins of the kv rows, measured beside them
+            runs += [("f32 weights, dtype=bf16", backend, base, {"dtype": dtype})
+                     for backend in ("kv", "kv-fast")]
+    if compile:  # compiled twins of the kv-fast rows, measured beside them
         runs += [(label, backend, model, {**options, "compile": True})
-                 for label, backend, model, options in runs if backend == "kv"]
+                 for label, backend, model, options in runs if backend == "kv-fast"]
     rates = {dtype: measure_matmul(device, dtype) for dtype in (torch.float32, torch.bfloat16)}
     table = []
     for n in ns:
         for label, backend, model, options in tqdm(runs, desc=f"n={n}", file=sys.stderr):
-            generate(model, tokenizer, [prompt], n=n, max_new_tokens=4, backend=backend, seed=0,
-                     ignore_eos=True, **options)  # warm-up (and compilation)
+            sample(backend, model, tokenizer, [prompt], n, 4, **options)  # warm-up, compilation
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             sync()
             t0 = time.perf_counter()
-            out = generate(model, tokenizer, [prompt], n=n, max_new_tokens=max_new_tokens,
-                           backend=backend, seed=0, ignore_eos=True, **options)
+            out = sample(backend, model, tokenizer, [prompt], n, max_new_tokens, **options)
             sync()
             seconds = time.perf_counter() - t0
             assert all(c.num_tokens == max_new_tokens for c in out[0])
@@ -159,11 +170,11 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
             shown = backend + ("+compile" if options.get("compile") else "")
             table.append((n, label, shown, dtype, n * max_new_tokens / seconds,
                           seconds / max_new_tokens, by_bytes, by_flop, matmuls))
-    print(f"\n{'n':>3} {'dtype':<24} {'backend':<10} {'tok/s':>8} {'ms/step':>8} {'x hf':>6} "
+    print(f"\n{'n':>3} {'dtype':<24} {'backend':<16} {'tok/s':>8} {'ms/step':>8} {'x hf':>6} "
           f"{'floor ms (bytes)':>16} {'floor ms (FLOP)':>15} {'x floor':>7} {'matmuls ms':>10}")
     for n, label, backend, dtype, tps, step_s, by_bytes, by_flop, matmuls in table:
         hf = next(t for t in table if t[0] == n and t[2] == "hf" and t[3] == dtype)
-        print(f"{n:>3} {label:<24} {backend:<10} {tps:>8.1f} {step_s * 1e3:>8.1f} "
+        print(f"{n:>3} {label:<24} {backend:<16} {tps:>8.1f} {step_s * 1e3:>8.1f} "
               f"{tps / hf[4]:>6.2f} {by_bytes * 1e3:>16.1f} {by_flop * 1e3:>15.1f} "
               f"{step_s / max(by_bytes, by_flop):>7.2f} {matmuls * 1e3:>10.1f}")
     print(f"matmul rate: float32 {rates[torch.float32] / 1e9:.3g} GFLOP/s, "
@@ -173,10 +184,6 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
 
 
 # --------------------------------------------------------------------------- the verifier's prompts
-
-# main before shared-prefix prefill (issue 15): the old path of --verifier-prompts
-BASELINE_REV = "5e94512"
-
 
 def written_rollout(problem: dict, k: int) -> str:
     """A rollout for the bench: k + 2 reasoning steps, then the right answer (k even) or a wrong
@@ -195,22 +202,13 @@ def verifier_bench_prompts(tokenizer, problems: int, rollouts: int) -> list[list
     the system prompt and the problem."""
     with open(os.path.join(REPO, "data", "demo.jsonl")) as fh:
         records = [json.loads(line) for line in fh][:problems]
-    requests = [verifier_prompt(r["problem"], written_rollout(r, k), MATH)
-                for r in records for k in range(rollouts)]
+    requests = [verifier_prompt(ToVerify(r["problem"], written_rollout(r, k), None, r["id"], None),
+                                MATH) for r in records for k in range(rollouts)]
     chats = [tokenizer.apply_chat_template([{"role": "system", "content": p.system},
                                             {"role": "user", "content": p.user}],
                                            tokenize=False, add_generation_prompt=True)
              for p in requests]
     return [tokenizer(chat, add_special_tokens=False).input_ids for chat in chats]
-
-
-def baseline_sampler(rev: str):
-    """sampler.py as it was at git revision `rev`, imported under the name sampler_<rev>."""
-    source = subprocess.run(["git", "show", f"{rev}:sampler.py"], cwd=REPO, capture_output=True,
-                            text=True, check=True).stdout
-    module = types.ModuleType(f"sampler_{rev}")
-    exec(compile(source, f"sampler.py@{rev}", "exec"), module.__dict__)
-    return module
 
 
 def prefill_flop(model, tokens: int) -> int:
@@ -220,10 +218,9 @@ def prefill_flop(model, tokens: int) -> int:
     return 2 * body * tokens
 
 
-def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, baseline_rev):
-    """Old (git revision baseline_rev) against new sampler on the verifier prompts of one step:
-    prefill alone (max_new_tokens=1), then whole verifier generations, seeded, so both paths give
-    the same tokens."""
+def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts):
+    """kv against kv-fast on the verifier prompts of one step: prefill alone (max_new_tokens=1),
+    then whole verifier generations, seeded, so both give the same tokens."""
     device = torch.device(device)
     model, tokenizer = bench_model(spec, device)
     # random weights: the embedded model's tokenizer (Qwen2.5's vocabulary) writes the prompts
@@ -238,45 +235,28 @@ def bench_verifier(spec, device, dtype, max_new_tokens, problems, rollouts, base
           f"verifier prompts, "
           f"{total} tokens (mean {total / len(prompts):.0f}), {own} of them after a shared start; "
           f"matmul rate {matmul_rate / 1e9:.0f} GFLOP/s")
-    options = dict(n=1, temperature=0.6, top_p=0.95, seed=0, dtype=dtype)
-    paths = [(f"old ({baseline_rev})", baseline_sampler(baseline_rev), {}),
-             ("new", sampler, dict(frozen=True))]
     results = {}
-    for label, module, extra in paths:
-        if extra:  # the verifier's weights (packed) are made on its first call and kept: not timed
-            module.generate(model, None, prompts[:1], max_new_tokens=1, **options, **extra)
-        prefill_s, out = _timed(module.generate, model, None, prompts, max_new_tokens=1, **options,
-                                **extra)
+    for backend in ("kv", "kv-fast"):
+        sample(backend, model, None, prompts[:1], 1, 1, dtype)  # warm-up
+        prefill_s, out = _timed(sample, backend, model, None, prompts, 1, 1, dtype)
         total_s = prefill_s
         if max_new_tokens > 1:
-            total_s, out = _timed(module.generate, model, None, prompts,
-                                  max_new_tokens=max_new_tokens, **options, **extra)
-        results[label] = (prefill_s, total_s, [g[0].token_ids for g in out])
-    (old_label, old), (new_label, new) = list(results.items())[:2]
-    same_tokens = old[2] == new[2]
-    generated = {label: sum(map(len, tokens)) for label, (_, _, tokens) in results.items()}
-    print(f"{max_new_tokens} new tokens at most; generated: " + ", ".join(
-        f"{label} {n} ({n / len(prompts):.0f} per rollout)" for label, n in generated.items())
-        + f"; same tokens on both paths: {same_tokens}")
-    print(f"{'path':<16} {'':>4} {'prefill s':>9} {'prompt tok/s':>12} {'x matmul rate':>13} "
+            total_s, out = _timed(sample, backend, model, None, prompts, 1, max_new_tokens, dtype)
+        results[backend] = (prefill_s, total_s, [g[0].token_ids for g in out])
+    print(f"{max_new_tokens} new tokens per prompt (EOS ignored); same tokens on both: "
+          f"{results['kv'][2] == results['kv-fast'][2]}")
+    print(f"{'backend':<8} {'':>4} {'prefill s':>9} {'prompt tok/s':>12} {'x matmul rate':>13} "
           f"{'total s':>8} {'s/rollout':>9}")
-    for label, (prefill_s, total_s, _) in results.items():
-        ran = total if label == old_label else own
+    for backend, (prefill_s, total_s, _) in results.items():
+        ran = total if backend == "kv" else own
         for clock, i in (("wall", 0), ("cpu", 1)):
-            print(f"{label:<16} {clock:>4} {prefill_s[i]:>9.1f} {total / prefill_s[i]:>12.0f} "
+            print(f"{backend:<8} {clock:>4} {prefill_s[i]:>9.1f} {total / prefill_s[i]:>12.0f} "
                   f"{prefill_flop(model, ran) / prefill_s[i] / matmul_rate:>13.2f} "
                   f"{total_s[i]:>8.1f} {total_s[i] / len(prompts):>9.2f}")
-    for label, base_label in [(new_label, old_label)]:
-        (new, old), per_token = ((results[label], results[base_label]),
-                                 generated[label] / generated[base_label])
-        # seeded paths part after a while: per generated token too
-        print(f"{label} / {base_label}: " + ", ".join(
-            f"{clock} prefill {new[0][i] / old[0][i]:.2f}, total {new[1][i] / old[1][i]:.2f} (per "
-            f"generated token {new[1][i] / old[1][i] / per_token:.2f})"
-            for clock, i in (("wall", 0), ("cpu", 1))))
-    print("x matmul rate: the prefill's matrix products on the tokens each path runs, per second, "
-          "over the rate of one large matmul; cpu: this process's CPU seconds (with one thread, "
-          "what a shared machine's wall clock inflates least)")
+    fast, plain = results["kv-fast"], results["kv"]
+    print("kv-fast / kv: " + ", ".join(f"{clock} prefill {fast[0][i] / plain[0][i]:.2f}, total "
+                                       f"{fast[1][i] / plain[1][i]:.2f}"
+                                       for clock, i in (("wall", 0), ("cpu", 1))))
 
 
 def _timed(fn, *args, **kwargs):
@@ -287,10 +267,9 @@ def _timed(fn, *args, **kwargs):
 
 
 def main():
-    parser = argparse.ArgumentParser(description="Benchmark the hf and kv sampling backends side "
-                                                 "by side, or (with --verifier-prompts) the kv "
-                                                 "sampler against its old self on the verifier's "
-                                                 "prompts.")
+    parser = argparse.ArgumentParser(description="Benchmark the hf, kv and kv-fast samplers side "
+                                                 "by side, or (with --verifier-prompts) kv against "
+                                                 "kv-fast on the verifier's prompts.")
     parser.add_argument("--model-config", default="embedded",
                         help="an offline model: 'embedded' (default), 'coder-1.5b'; 'qwen2.5-1.5b' "
                              "(random weights) or a config.json path")
@@ -302,14 +281,12 @@ def main():
                              "weights; --verifier-prompts takes the first)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--compile", action="store_true",
-                        help="add rows with the kv decode step under torch.compile")
+                        help="add rows with the kv-fast decode step under torch.compile")
     parser.add_argument("--verifier-prompts", action="store_true",
-                        help="old (--baseline) against new sampler on one step's verifier prompts")
+                        help="kv against kv-fast on one step's verifier prompts")
     parser.add_argument("--problems", type=int, default=8, help="--verifier-prompts: demo problems")
     parser.add_argument("--rollouts", type=int, default=4,
                         help="--verifier-prompts: written rollouts per problem")
-    parser.add_argument("--baseline", default=BASELINE_REV,
-                        help="--verifier-prompts: git revision of the old path")
     args = parser.parse_args()
     native = bf16_supported(torch.device(args.device))
     if args.dtypes is None and not native:  # an AVX2 CPU multiplies bfloat16 some 400x slower
@@ -318,7 +295,7 @@ def main():
     dtypes = [getattr(torch, name) for name in args.dtypes or ["float32"] + ["bfloat16"] * native]
     if args.verifier_prompts:
         bench_verifier(args.model_config, args.device, dtypes[0], args.max_new_tokens,
-                       args.problems, args.rollouts, args.baseline)
+                       args.problems, args.rollouts)
     else:
         bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile, dtypes)
 

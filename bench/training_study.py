@@ -6,21 +6,23 @@ where they agree (the control), each arm from the same weights with the same see
            questions whose weighted vote (omega 5) differs from the plain majority, and a seeded
            draw of as many where they agree; no ground truth is read to choose them
   arm A    train arm A (ttrl: --omega 1, t3rl: the default omega) on exactly those questions
-           (--question-ids), evaluating before, after every episode and at the end at avg@8, then
-           copy its small outputs into results/training-study/A/
+           (a --bench file of them), evaluating before, after every episode and at the end at
+           avg@8, then copy its small outputs into results/training-study/A/
   report   from the committed files alone (report.txt, share.png): per arm and for T3RL - TTRL
            the change in avg@k on the disagreeing questions and on the control (paired bootstrap
            over questions), the label accuracy per episode, and the share of T3RL's starting
            answer in each arm's rollouts on the disagreeing questions where that answer is right
 
-  python t3rl.py --study --bench demo --limit 0 --n-votes 8 --verifier-model coder-1.5b \\
+  python -m extensions.study --bench demo --limit 0 --n-votes 8 --verifier-model coder-1.5b \\
       --verify-budget 0 --no-lazy-verify --run-name training-study-selection   # ~35 min
   python -m bench.training_study select runs/training-study-selection
   python -m bench.training_study arm ttrl        # 70-80 min on 2 CPU cores; one sitting each
   python -m bench.training_study arm t3rl
   python -m bench.training_study report
 
-Sizes, times and results: docs/results.md#the-training-study-where-the-two-votes-disagree.
+Sizes, times and results: docs/results.md#the-training-study-where-the-two-votes-disagree (the
+committed arms ran at commit efcf192 with 4 steps of at most 3 questions an episode; an arm now
+runs whole steps of 5, every question once an episode).
 """
 import argparse
 import json
@@ -32,19 +34,21 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery.domains import domain_of
-from machinery.files import read_jsonl_rows, write_jsonl
-from machinery.study import bootstrap_draws, interval, read_rows
+import t3rl
+from config import parse_config
+from extensions.study import bootstrap_draws, interval, read_rows
+from machinery.benchmarks import load_bench
+from machinery.runs import read_jsonl_rows, write_jsonl
 from voting import weighted_vote
 
 RESULTS = Path(__file__).resolve().parent.parent / "results" / "training-study"
 ARMS = {"ttrl": 1.0, "t3rl": 5.0}  # omega of each arm; 5 is Config's default
 GROUPS = ("disagree", "control")
-# one arm in 70-80 min on 2 CPU cores with 10 questions: 4 steps of at most 3 an episode (~70 s
-# each), 8 episodes, 9 evaluations at avg@8 (~100 s each, T3RL's verifying its samples too)
+# one arm on 2 CPU cores with 10 questions: 2 steps of 5 an episode, 8 episodes, 9 evaluations at
+# avg@8 (T3RL's verifying its samples too)
 SETTINGS = dict(preset="cpu", verifier_model="coder-1.5b", n_votes=8, n_train=4,
-                max_new_tokens=320, questions_per_step=3, episodes=8, lr=2e-6, eval_samples=8,
-                eval_on="trained", limit=0, max_steps=0, seed=0)
+                max_new_tokens=320, questions_per_step=5, episodes=8, lr=2e-6, eval_samples=8,
+                limit=0, max_steps=0, seed=0)
 COPIED = ("config.json", "metrics.jsonl", "evaluations.jsonl")
 # the paper's T3RL - TTRL on MATH-500 (Qwen2.5-Math-1.5B, avg@4: 73.0 -> 74.6)
 PAPER_EFFECT = 0.016
@@ -78,11 +82,11 @@ def choose(rows: list[dict], classes: dict, omega: float, seed: int, max_disagre
 
 def select(study_dir: Path, levels, max_disagree: int, seed: int, out: Path) -> dict:
     """Write the chosen questions to out/questions.json (groups, both starting labels, and the gold
-    answer for the report only) and out/questions.txt (the ids, for --question-ids)."""
+    answer for the report only) and out/questions.txt (the ids)."""
     cfg = json.loads((study_dir / "config.json").read_text())
     rows = [r for r in read_rows(study_dir) if not levels or r.get("level") in levels]
     omega = ARMS["t3rl"]
-    chosen = choose(rows, domain_of(cfg["bench"]).classes, omega, seed, max_disagree)
+    chosen = choose(rows, t3rl.bench_domain(cfg["bench"]).classes, omega, seed, max_disagree)
     if not chosen:
         raise SystemExit(f"select: the votes agree on all {len(rows)} questions of {study_dir}; "
                          f"study more questions (--limit) or more rollouts (--n-votes)")
@@ -103,7 +107,7 @@ def select(study_dir: Path, levels, max_disagree: int, seed: int, out: Path) -> 
 # arm
 
 def steps_per_episode(n_questions: int, questions_per_step: int) -> int:
-    return math.ceil(n_questions / questions_per_step)  # --no-drop-last: every question, each pass
+    return n_questions // questions_per_step  # whole steps (verl's dataloader drops the rest)
 
 
 def relative(path: Path) -> str:
@@ -118,20 +122,28 @@ def relative(path: Path) -> str:
 def arm_argv(arm: str, selection: dict, results: Path, out_dir: str, extra: list[str]) -> list:
     """t3rl's command line for an arm: SETTINGS on the selection's benchmark and questions, the
     arm's omega, an evaluation (and a checkpoint) after every episode; `extra` last (tests)."""
-    per_episode = steps_per_episode(len(selection["questions"]), SETTINGS["questions_per_step"])
-    options = {**SETTINGS, "bench": selection["bench"], "omega": ARMS[arm],
-               "question_ids": relative(results / "questions.txt"), "drop_last": False,
-               "eval_every": per_episode, "save_every": per_episode, "out_dir": out_dir,
-               "run_name": f"training-study-{arm}"}
-    argv = [f"--{key.replace('_', '-')}={value}" for key, value in options.items()
-            if not isinstance(value, bool)]
-    return argv + ["--no-drop-last", *extra]
+    per_step = min(SETTINGS["questions_per_step"], len(selection["questions"]))
+    per_episode = steps_per_episode(len(selection["questions"]), per_step)
+    options = {**SETTINGS, "questions_per_step": per_step,
+               "bench": relative(selection_bench(selection, Path(out_dir))),
+               "omega": ARMS[arm], "eval_every": per_episode, "save_every": per_episode,
+               "out_dir": out_dir, "run_name": f"training-study-{arm}"}
+    argv = [f"--{key.replace('_', '-')}={value}" for key, value in options.items()]
+    return argv + extra
+
+
+def selection_bench(selection: dict, out_dir: Path) -> Path:
+    """The chosen questions as a --bench file (their records from the study's benchmark), in
+    out_dir."""
+    ids = {q["id"] for q in selection["questions"]}
+    path = out_dir / "training-study-questions.jsonl"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_jsonl(path, [r for r in load_bench(selection["bench"]) if r["id"] in ids])
+    return path
 
 
 def run_arm(arm: str, results: Path, out_dir: str, extra: list[str]) -> Path:
     """Train the arm (resuming its run folder when a sitting was cut short), then collect."""
-    import t3rl
-    from machinery.options import parse_config
     selection = json.loads((results / "questions.json").read_text())
     run_dir = Path(out_dir) / f"training-study-{arm}"
     metrics = run_dir / "metrics.jsonl"
@@ -149,7 +161,7 @@ def collect(arm: str, run_dir: Path, selection: dict, dest: Path) -> Path:
     chosen question, the share of rollouts giving T3RL's starting label, whether the step's
     pseudo-label is that answer, and whether it is right."""
     cfg = json.loads((run_dir / "config.json").read_text())
-    dom = domain_of(cfg["bench"], cfg["answer_rule"])
+    dom = t3rl.bench_domain(cfg["bench"])
     chosen = {q["id"]: q for q in selection["questions"]}
     per_episode = steps_per_episode(len(chosen), cfg["questions_per_step"])
     groups = {}
@@ -201,7 +213,7 @@ def by_episode(rows: list[dict], key: str, ids) -> dict:
 
 def report(results: Path, seed: int = 0) -> str:
     selection = json.loads((results / "questions.json").read_text())
-    dom = domain_of(selection["bench"])
+    dom = t3rl.bench_domain(selection["bench"])
     qs = selection["questions"]
     ids = {g: [q["id"] for q in qs if q["group"] == g] for g in GROUPS}
     right = lambda label, q: label is not None and bool(dom.equiv(label, q["gold"]))  # noqa: E731
@@ -343,7 +355,7 @@ def main(argv=None):
     if args.command == "select":
         if not (args.study_dir / "study.jsonl").is_file():
             raise SystemExit(f"select {args.study_dir}: no study.jsonl there; pass a folder "
-                             f"written by python t3rl.py --study")
+                             f"written by python -m extensions.study")
         chosen = select(args.study_dir, args.levels, args.max_disagree, args.seed, args.results)
         print(f"{len(chosen['questions'])} questions written to {args.results}/questions.json")
     elif args.command == "arm":

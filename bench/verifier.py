@@ -21,22 +21,31 @@ human-written MATH solutions: the right trace and the same trace with its last b
     python -m bench.verifier --steps runs/RUN
 """
 import argparse
+import dataclasses
 import json
 import os
 import re
 import time
+from contextlib import nullcontext
 from fractions import Fraction
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from machinery import knk, verdicts
+import sampler
+import t3rl
 from answers import _boxes, _fraction_str, answer_key, extract_answer, same_answer
-from machinery.model import load_model
+from config import Config, resumed_config
+from extensions import knk
+from extensions.programs import FURTHEST, REPRODUCED
 from machinery.benchmarks import load_bench
-from machinery.domains import MATH, domain_of
-from verifier import STATUSES_VERIFY, VerifierPrompt, VerifierReply, model_verifier, verify_batch
+from machinery.metrics import programs_written
+from machinery.model import load_model
+from machinery.runs import read_jsonl_rows
+from sandbox import SandboxPool
+from verifier import (MATH, SANDBOX_TIMEOUT, STATUSES, ToVerify, VerifierPrompt, VerifierReply,
+                      model_verifier)
 from voting import weighted_vote
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +54,17 @@ SOLUTION = ("Working through the problem step by step, the computation gives {an
 DATA_DIR = os.environ.get("T3RL_DATA_DIR", os.path.join(REPO, "..", "shared", "data"))
 # self-verification of the cpu policy, and the paper's verifier model
 MEASURED = ("coder-0.5b", "coder-1.5b")
+
+
+def verify_batch(problems, texts, answers, call, domain, *, programs=1, repair=False, budget=0,
+                 omega=None, pool=None):
+    """A Verification per rollout, as a run with these verifier options verifies a step's rollouts
+    (t3rl.verify_function; rollouts of one problem vote together; lazily at omega where given)."""
+    batch = [ToVerify(p, t, a, p, None) for p, t, a in zip(problems, texts, answers)]
+    cfg = Config(verifier_programs=programs, verifier_repair=repair, verify_budget=budget,
+                 lazy_verify=omega is not None, omega=omega or 1.0)
+    with SandboxPool(timeout=SANDBOX_TIMEOUT) if pool is None else nullcontext(pool) as pool:
+        return t3rl.verify_function(cfg, call, pool, domain)(batch, [None] * len(batch))
 
 
 def math500_by_level(count, path=os.path.join(DATA_DIR, "math500.jsonl")):
@@ -92,7 +112,7 @@ def verifier_scores(results, kinds):
                 for kind in ("correct", "wrong")}
     total = {kind: kinds.count(kind) for kind in ("correct", "wrong")}
     status = {kind: {s: sum(r.status == s for r, k in zip(results, kinds) if k == kind)
-                     for s in STATUSES_VERIFY}
+                     for s in STATUSES}
               for kind in ("correct", "wrong")}
     both = verified["correct"] + verified["wrong"]
     return dict(recall=verified["correct"] / total["correct"],
@@ -200,10 +220,10 @@ def print_derived(results, kinds):
     failed: v = 0, its status the one it was repaired from)."""
     def first(p):
         return (p["repaired_from"] or p["status"],
-                0 if p["repaired_from"] else int(p["status"] in verdicts.REPRODUCED))
+                0 if p["repaired_from"] else int(p["status"] in REPRODUCED))
 
     def final(p):
-        return p["status"], int(p["status"] in verdicts.REPRODUCED)
+        return p["status"], int(p["status"] in REPRODUCED)
     print(f"\n{'derived from these programs':<34}{'accuracy':>9}{'recall':>8}{'false-verify':>13}"
           f"{'exec_error':>11}{'prompts':>8}")
     for title, count, attempt in (
@@ -218,7 +238,7 @@ def print_derived(results, kinds):
             prompts += len(outcomes) + (attempt is final) * sum(p["repaired_from"] is not None
                                                                 for p in programs[:count])
             failed += (kind == "correct" and not any(reproduced) and min(
-                (s for s, _ in outcomes), key=verdicts.FURTHEST.index) in ("exec_error", "timeout"))
+                (s for s, _ in outcomes), key=FURTHEST.index) in ("exec_error", "timeout"))
         recall = sum(x for x, k in zip(v, kinds) if k == "correct") / kinds.count("correct")
         false = sum(x for x, k in zip(v, kinds) if k == "wrong") / kinds.count("wrong")
         print(f"{title:<34}{(recall + 1 - false) / 2:>9.1%}{recall:>8.1%}{false:>13.1%}"
@@ -258,7 +278,7 @@ def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500",
             offline_verifier(name, max_new_tokens, seed), None)
         start = time.perf_counter()
         # a log holds one completion per rollout: rescoring replays it as one program, unrepaired
-        results = verify_batch(problems, rollouts, answers, verifier, domain_of(bench),
+        results = verify_batch(problems, rollouts, answers, verifier, t3rl.bench_domain(bench),
                                **(dict(programs=1, repair=False) if rescore else {}))
         wall = time.perf_counter() - start
         del verifier
@@ -283,7 +303,7 @@ def measure(count, max_new_tokens, seed, names=MEASURED, *, bench="math500",
 def print_measure(rows):
     """The --measure tables: status counts per verifier and kind of answer, then scores and
     costs."""
-    shown = [s for s in STATUSES_VERIFY if s != "no_answer"]
+    shown = [s for s in STATUSES if s != "no_answer"]
     print(f"\n{'verifier':<16}{'answers':<9}" + "".join(f"{s:>11}" for s in shown))
     for name, scores, *_ in rows:
         for kind in ("correct", "wrong"):
@@ -319,7 +339,7 @@ def replay_steps(run_dir, seed):
     does."""
     cfg = json.load(open(os.path.join(run_dir, "config.json")))
     records = {rec["id"]: rec for rec in load_bench(cfg["bench"])}
-    domain = domain_of(cfg["bench"])
+    domain = t3rl.bench_domain(cfg["bench"])
     steps = {}
     for line in open(os.path.join(run_dir, "rollouts.jsonl")):
         row = json.loads(line)
@@ -328,9 +348,10 @@ def replay_steps(run_dir, seed):
     model, tokenizer = load_model(name, dtype=torch.bfloat16)
     # greedy, so that both ways write the same program for a rollout they both verify (up to
     # bfloat16 rounding, which depends on the batch) and differ only in which rollouts they verify
+    greedy = lambda *a, **k: sampler.generate(*a[:4], dataclasses.replace(a[4], temperature=0.0),  # noqa
+                                              **k)
     verify = model_verifier(model.requires_grad_(False), tokenizer,
-                            max_new_tokens=cfg["verifier_max_new_tokens"], temperature=0.0,
-                            seed=seed)
+                            cfg["verifier_max_new_tokens"], seed, greedy)
     # the weights are packed once, on the first call: not timed
     verify([VerifierPrompt("", "What is 1 + 1?")])
     print(f"{run_dir}: verifier {name} (greedy), omega {cfg['omega']}, "
@@ -374,23 +395,19 @@ def memory_replay(run_dir, verifier=None):
     and programs both ways, the verdicts the memory reused and the questions whose label is the
     same both ways, then per episode tokens a step and label accuracy against the gold (reported,
     never trained on). Returns the per-episode rows."""
-    import t3rl
-    from machinery.files import read_jsonl_rows
-    from machinery.options import resumed_config
-    from sandbox import SandboxPool
     run_dir = Path(run_dir)
     cfg = resumed_config({"resume": str(run_dir)})
-    if not (cfg.verdict_memory and cfg.verify):
+    if not (cfg.verdict_memory and cfg.verifier_model != "none"):
         raise SystemExit(f"--memory {run_dir}: the run has no verdict memory; pass a run trained "
                          f"with --verdict-memory")
-    domain = domain_of(cfg.bench, cfg.answer_rule)
+    domain = t3rl.bench_domain(cfg.bench)
     records = {rec["id"]: rec for rec in load_bench(cfg.bench)}
     metrics = {row["step"]: row for row in read_jsonl_rows(run_dir / "metrics.jsonl")
                if row.get("kind") == "train"}
     steps = {}
     for row in read_jsonl_rows(run_dir / "rollouts.jsonl"):
         steps.setdefault(row["step"], {}).setdefault(row["id"], []).append(row)
-    verifier = verifier or t3rl.build_verifier(cfg, "cpu")
+    call = verifier or t3rl.build_verifier(cfg, torch.device("cpu"))
     seen, totals = {}, {}
 
     def right(labels, gold):  # for the report only
@@ -401,7 +418,8 @@ def memory_replay(run_dir, verifier=None):
           f"lazy {cfg.lazy_verify}, {cfg.verifier_max_new_tokens} verifier tokens")
     print(f"{'step':>4}{'episode':>8}{'tokens mem/afresh':>19}{'programs mem/afresh':>21}"
           f"{'reused':>8}{'labels same':>13}")
-    with SandboxPool(timeout=cfg.sandbox_timeout) as pool:
+    with SandboxPool(timeout=SANDBOX_TIMEOUT) as pool:
+        verify = t3rl.verify_function(cfg, call, pool, domain)  # as the run's, without the memory
         for step, questions in sorted(steps.items()):
             episode = max(seen.get(qid, 0) for qid in questions) + 1
             for qid in questions:
@@ -419,14 +437,13 @@ def memory_replay(run_dir, verifier=None):
                 groups = [[SimpleNamespace(text=r["text"]) for r in rows]
                           for rows in questions.values()]
                 answers = [[r["answer"] for r in rows] for rows in questions.values()]
-                judged = t3rl.verify_groups(recs, groups, answers, verifier, pool, cfg,
-                                            step=step)
+                judged = t3rl.verify_groups(verify, cfg.seed, recs, groups, answers, step)
                 fresh = [weighted_vote(ans, [res.v for res in ver], cfg.omega,
                                        **domain.classes).label
                          for ans, ver in zip(answers, judged)]
                 flat = [res for ver in judged for res in ver]
                 afresh_tokens = sum(res.tokens or 0 for res in flat)
-                afresh_programs = sum(map(verdicts.programs_written, flat))
+                afresh_programs = sum(map(programs_written, flat))
             same = sum(a == b for a, b in zip(kept, fresh))
             for key, value in (("steps", 1), ("memory", row["verifier_tokens"]),
                                ("afresh", afresh_tokens), ("same", same),
@@ -485,7 +502,7 @@ def main():
                         "solutions per level (math500_solutions_dev.jsonl) with the first "
                         "--verifiers model and the options below")
     parser.add_argument("--programs", type=int, default=3,
-                        help="--solutions: programs per trace (default 3, verify_batch's)")
+                        help="--solutions: programs per trace (default 3)")
     parser.add_argument("--repair", action=argparse.BooleanOptionalAction, default=True,
                         help="--solutions: the repair turn for failed programs")
     parser.add_argument("--log", default="runs/verifier-solutions.jsonl",

@@ -1,9 +1,10 @@
 """The benchmarks: questions {id, problem, answer, ...} from a local JSON-lines file or the Hugging
 Face Hub.
 
-load_bench(name) reads $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else downloads the Hub
-dataset through huggingface_hub (so HF_TOKEN, an HF_ENDPOINT mirror, HF_HUB_OFFLINE and the Hub
-cache apply as in every other Hub tool). Without the Hub it says where to put the file instead.
+load_bench(name) reads a .jsonl file named so, else $T3RL_DATA_DIR/<name>.jsonl, else
+data/<name>.jsonl, else downloads the Hub dataset through huggingface_hub (so HF_TOKEN, an
+HF_ENDPOINT mirror, HF_HUB_OFFLINE and the Hub cache apply as in every other Hub tool). Without the
+Hub it says where to put the file instead.
 """
 import json
 import os
@@ -12,8 +13,8 @@ from pathlib import Path
 
 from huggingface_hub import snapshot_download
 
-import config
-from machinery.files import DataError, jsonl_objects
+from config import BENCHES
+from machinery.runs import DataError, jsonl_objects
 
 # the repository, whose data/ holds the bundled benchmarks
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,18 +28,16 @@ HUB_BENCHES = {
     "amc": ("AI-MO/aimo-validation-amc", "data/train-*"),
 }
 
-# --bench: the Hub's three, demo and knk (data/knk.jsonl, made by
-# `python -m machinery.knk --generate`)
-BENCHES = config.BENCHES
-
 
 class BenchError(DataError):
     """A benchmark could not be found; the message says where and what to do."""
 
 
 def load_bench(name: str) -> list[dict]:
-    """Benchmark records, from $T3RL_DATA_DIR/<name>.jsonl, else data/<name>.jsonl, else the
-    Hugging Face Hub."""
+    """Benchmark records, from a .jsonl file `name`, else $T3RL_DATA_DIR/<name>.jsonl, else
+    data/<name>.jsonl, else the Hugging Face Hub."""
+    if name.endswith(".jsonl") and Path(name).is_file():
+        return read_jsonl(Path(name))
     if name not in BENCHES:
         raise BenchError(f"--bench {name}: unknown benchmark; choose one of {', '.join(BENCHES)}")
     local = ROOT / "data" / f"{name}.jsonl"
@@ -63,27 +62,6 @@ def load_bench(name: str) -> list[dict]:
                          f"{name}.jsonl "
                          f"(one JSON object per line with 'problem' and 'answer')") from None
     return hub_records(name, rows)
-
-
-def run_questions(cfg) -> list[dict]:
-    """The benchmark's questions a run uses, before --limit: all, or those --question-ids lists
-    (in the benchmark's order)."""
-    records = load_bench(cfg.bench)
-    if not cfg.question_ids:
-        return records
-    path = Path(cfg.question_ids).expanduser()
-    lines = path.read_text(encoding="utf-8").splitlines()
-    wanted = [line.split("#", 1)[0].strip() for line in lines if line.split("#", 1)[0].strip()]
-    if not wanted:
-        raise DataError(f"--question-ids {path}: no ids in the file; write one question id a line")
-    known = {rec["id"] for rec in records}
-    unknown = [qid for qid in wanted if qid not in known]
-    if unknown:
-        raise DataError(f"--question-ids {path}: {len(unknown)} ids not in --bench {cfg.bench} "
-                        f"({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}); list "
-                        f"ids from that benchmark's file")
-    wanted = set(wanted)
-    return [rec for rec in records if rec["id"] in wanted]
 
 
 def read_jsonl(path: Path) -> list[dict]:

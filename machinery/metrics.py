@@ -11,11 +11,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from machinery.agent import agent_monitors
-from machinery.domains import Domain, domain_of
-from machinery.files import read_jsonl_rows
-from machinery.verdicts import programs_written
-from voting import group_metrics, weighted_vote
+from machinery.runs import read_jsonl_rows
+from verifier import Domain
+from voting import Vote, rank_classes, weighted_vote
 
 
 class Stopwatch(dict):
@@ -33,10 +31,10 @@ def is_correct(answer, gold, domain: Domain) -> bool:
     return answer is not None and domain.equiv(answer, gold)
 
 
-def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
+def question_monitors(rec, group, answers, verdicts, vote, domain: Domain, omega: float) -> dict:
     """How one question's vote went, against the gold answer: monitors only, never rewards."""
-    dom = domain_of(cfg.bench)
-    stats = group_metrics(vote.vote, vote.v, gold=rec["answer"], **dom.classes)
+    dom = domain
+    stats = group_metrics(vote.vote, answers, vote.v, omega, rec["answer"], dom.same, dom.key)
     # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke
     # it
     stats["majority_label_accuracy"] = (stats["label_accuracy"] - stats["flip_fixed"]
@@ -63,9 +61,52 @@ def question_monitors(rec, group, answers, verdicts, vote, cfg) -> dict:
     stats["verdicts_reused"] = sum(res.remembered for res in results)  # --verdict-memory
     stats["programs_written"] = sum(map(programs_written, results))  # with repairs
     stats["response_tokens"] = [c.num_tokens for c in group]
-    if any(c.tool_calls is not None for c in group):  # agent rollouts (--agent)
-        stats["agent"] = agent_monitors(group, answers)
     return stats
+
+
+def programs_written(result) -> int:
+    """The verifier replies a rollout's verdict took: its programs and their repairs (0 for one
+    inherited, remembered or skipped)."""
+    if result is None or result.inferred or result.code is None and result.completion is None:
+        return 0
+    programs = result.programs or [{"repaired_from": result.repaired_from}]
+    return sum(1 + (p["repaired_from"] is not None) for p in programs)
+
+
+def group_metrics(vote: Vote, answers, verified, omega, gold=None, same=None, key=None) -> dict:
+    """One question's vote against its gold answer (monitors, never rewards): majority_ratio (share
+    in the plain-majority class), verified_ratio, flipped (the vote's winner is not the majority
+    class; never at omega 1); with gold: label_accuracy, reward_accuracy (rewards that agree with
+    gold's), ground_truth_ratio (share in gold's class), pass@N, flip_fixed / flip_broke."""
+    n = len(vote.assignment)
+    by_count = rank_classes([c.members for c in vote.classes], [1.0] * n)
+    majority = next((k for k, c in enumerate(vote.classes)
+                     if by_count and c.members == by_count[0]), None)
+    flipped = omega != 1 and majority not in (None, 0)
+    metrics = {"majority_ratio": len(vote.classes[majority].members) / n if majority is not None
+               else 0.0, "verified_ratio": sum(verified) / n, "flipped": float(flipped)}
+    if gold is None:
+        return metrics
+    gold_class = class_of(vote, answers, gold, same, key)
+    true = [1.0 if k is not None and k == gold_class else 0.0 for k in vote.assignment]
+    label_right = gold_class is not None and gold_class == 0
+    majority_right = gold_class is not None and gold_class == majority
+    return metrics | {
+        "label_accuracy": float(label_right),
+        "reward_accuracy": sum(p == t for p, t in zip(vote.rewards(), true)) / n,
+        "ground_truth_ratio": sum(true) / n, "pass@N": float(any(true)),
+        "flip_fixed": float(flipped and label_right and not majority_right),
+        "flip_broke": float(flipped and majority_right and not label_right)}
+
+
+def class_of(vote: Vote, answers, answer, same, key) -> int | None:
+    """The index of the vote class `answer` (the gold answer, say) belongs to, or None."""
+    key = key or (lambda a: "".join(a.split()))
+    for k, vote_class in enumerate(vote.classes) if answer is not None else ():
+        if (any(key(answers[i]) == key(answer) for i in vote_class.members)
+                or same is not None and same(vote_class.answer, answer)):
+            return k
+    return None
 
 
 def step_metrics(step, per_question, update, seconds) -> dict:
@@ -200,8 +241,8 @@ def eval_metrics(rows: list[dict], k: int) -> dict:
     return result
 
 
-# what an evaluation row says about its questions (machinery/evals.py's coverage)
-COVERAGE = ("eval_on", "questions", "trained_questions")
+# what an evaluation row says about its questions (t3rl.train's coverage)
+COVERAGE = ("questions", "trained_questions")
 ACCURACY = re.compile(r"(greedy@1|avg@\d+|maj@\d+|verified_maj@\d+)$")
 
 
@@ -246,11 +287,9 @@ def summary(run_dir: Path) -> str:
                      f"final {spread(after)}, best "
                      f"{best[f'best/avg@{k}']:.3f} at step {best[f'best/avg@{k}/step']}")
     shown = after or before
-    if "eval_on" in shown:  # which questions the numbers are on
-        of = {"trained": "the run trains on", "all": "of the benchmark",
-              "held-out": "no step visits"}[shown["eval_on"]]
-        lines.append(f"evaluated on the {shown['questions']} questions {of} "
-                     f"(--eval-on {shown['eval_on']}; {shown['trained_questions']} of them trained)")
+    if "questions" in shown:  # which questions the numbers are on: those it trains on
+        lines.append(f"evaluated on the {shown['questions']} questions the run trains on "
+                     f"({shown['trained_questions']} of them trained)")
     lines.append(f"{'metric':<28}{'before':>10}{'final':>10}{'best':>10}  at step")
     if not before:
         lines.append(f"(no step-0 evaluation in {run_dir / 'metrics.jsonl'}: the file was cut or "

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from machinery.files import replacing
+from machinery.runs import replacing
 
 GGUF_MAGIC = b"GGUF"
 INSTALL_HINT = "pip install -r requirements.txt"

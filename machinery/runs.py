@@ -1,18 +1,24 @@
-"""The run folder: config.json, metrics.jsonl, rollouts.jsonl, evaluations.jsonl, checkpoint/ and,
-until the run finishes, the one before it, checkpoint.old/.
+"""The run: its accelerator, its folder (config.json, metrics.jsonl, rollouts.jsonl,
+evaluations.jsonl, checkpoint/ and, until the run finishes, the one before it, checkpoint.old/),
+its trackers, its logs.
 
-Every file is replaced atomically (written aside, then renamed; files.py) or appended to, so a kill
+Every file is replaced atomically (written aside, then renamed: `replacing`) or appended to, so a kill
 at any moment leaves a folder that --resume can continue: resume drops a half-written last JSONL
 line and the rows written after the checkpoint, sets a damaged newest checkpoint aside
 (checkpoint.damaged/) and falls back to checkpoint.old/. Experiment trackers (--report-to, through
 accelerate) get every metrics row as well, from the main process; their x axis is updates done: the
 evaluation before training at 0, train row `step` s at s + 1.
 """
+import ctypes
+import ctypes.util
 import json
 import os
 import random
 import shutil
+import signal
 import sys
+import threading
+import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -20,16 +26,21 @@ from datetime import timedelta
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import (DistributedDataParallelKwargs, InitProcessGroupKwargs,
+                               broadcast_object_list, gather_object)
 
-from machinery import fsdp
-from machinery.files import drop_torn_tail, keep_jsonl, read_jsonl_rows, write_atomically
-from machinery.sampler_cpu import release_freed_memory
-from machinery.update import bf16_supported
+from config import Config
+from grpo import bf16_supported
 
 # The process group's timeout for every collective (NCCL's default: 10 minutes): the others wait at
 # a barrier while the main process writes a checkpoint, 18.5 GB for the paper's 1.5B policy and its
 # AdamW state, longer than that on slow storage. A hung collective shows after this long.
 PROCESS_GROUP_TIMEOUT = timedelta(hours=1)
+
+
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+_LIBC = _LIBC if hasattr(_LIBC, "malloc_trim") else None  # glibc's; musl has none
 
 
 class RunDirError(RuntimeError):
@@ -47,6 +58,18 @@ def run_started(run_dir: Path) -> bool:
                for name in ("metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.old"))
 
 
+def free_run_name(cfg) -> str:
+    """bench-method-time, with a suffix when that folder already holds a run (two runs started in
+    one second)."""
+    method = ("ttrl" if cfg.verifier_model == "none" or cfg.omega == 1
+              else f"t3rl-w{cfg.omega:g}") + ("-agent" if cfg.agent else "")
+    name = f"{Path(cfg.bench).stem}-{method}-{time.strftime('%Y%m%d-%H%M%S')}"
+    suffix = 1
+    while run_started(Path(cfg.out_dir) / (name if suffix == 1 else f"{name}-{suffix}")):
+        suffix += 1
+    return name if suffix == 1 else f"{name}-{suffix}"
+
+
 def open_run_dir(cfg) -> Path:
     """Create (or, with --resume, check) the run folder before any model loads: an unwritable
     --out-dir, a reused name or a finished run stop here, in one line."""
@@ -57,8 +80,9 @@ def open_run_dir(cfg) -> Path:
         finished = [r for r in read_jsonl_rows(run_dir / "metrics.jsonl") if r.get("final")]
         if finished:
             raise RunDirError(f"--resume {run_dir}: the run is finished (final evaluation at step "
-                              f"{finished[-1]['step']} in metrics.jsonl); read it with --replay "
-                              f"{run_dir}, or start a new run with another --run-name")
+                              f"{finished[-1]['step']} in metrics.jsonl); read it with python -m "
+                              f"extensions.study --replay {run_dir}, or start a new run with "
+                              f"another --run-name")
         saved = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
         # --eval-every / --save-every changed
         if {**asdict(cfg), "resume": saved.get("resume", "")} != saved:
@@ -77,23 +101,21 @@ def open_run_dir(cfg) -> Path:
     return run_dir
 
 
-def save_checkpoint(run_dir: Path, step: int, policy, tokenizer, optimizer, scheduler,
-                    accelerator):
-    """checkpoint/ = model and tokenizer (save_pretrained, a loadable --model folder) + optimizer,
-    scheduler, RNG states and step. Written as checkpoint.tmp/, then swapped in; the one it replaces
-    stays as checkpoint.old/, the fallback if the new one is ever found damaged. The other processes
-    wait for it under PROCESS_GROUP_TIMEOUT. Under --parallel fsdp every process first takes part
-    in gathering the full weights and optimizer state, so the folder is the one DDP writes."""
-    trained = fsdp.trained_module(policy)
-    weights, optimizer_state = (fsdp.full_state(trained, optimizer) if fsdp.is_sharded(trained)
-                                else (None, optimizer.state_dict()))
+def save_checkpoint(run_dir: Path, step: int, trained, tokenizer, optimizer, scheduler,
+                    accelerator, full_state=None):
+    """checkpoint/ = model and tokenizer (a --model folder) + optimizer, schedule, RNG states and
+    step. Written as checkpoint.tmp/, then swapped in; the one it replaces stays as checkpoint.old/,
+    the fallback if the new one is ever found damaged. The other processes wait for it under
+    PROCESS_GROUP_TIMEOUT. full_state: (trained, optimizer) -> (weights, optimizer state) in full,
+    every process taking part (FSDP's shards); None: the module's and optimizer's own."""
+    weights, optimizer_state = full_state(trained, optimizer) if full_state else (None, None)
     if accelerator.is_main_process:
         tmp, final, old = (run_dir / "checkpoint.tmp", run_dir / "checkpoint",
                            run_dir / "checkpoint.old")
         shutil.rmtree(tmp, ignore_errors=True)
         accelerator.unwrap_model(trained).save_pretrained(tmp / "model", state_dict=weights)
         tokenizer.save_pretrained(tmp / "model")
-        torch.save({"step": step, "optimizer": optimizer_state,
+        torch.save({"step": step, "optimizer": optimizer_state or optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(),
                     "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}},
                    tmp / "state.pt")
@@ -121,6 +143,14 @@ def drop_optimizer_state(optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
     getattr(optimizer, "optimizer", optimizer).state.clear()  # accelerate wraps the torch optimizer
     release_freed_memory()
+
+
+def release_freed_memory():
+    """Hand what this process freed back to the system (glibc's malloc_trim): glibc keeps freed
+    blocks below its mmap threshold for reuse, and they would count in the next phase's resident
+    memory (1.4 GB after sampling the 0.5B policy, 2.2 GB after its update: bench.memory)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
 
 
 def checkpoint_damage(checkpoint: Path) -> str | None:
@@ -171,14 +201,10 @@ def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
     return None, None
 
 
-def restore_state(state: dict, optimizer, scheduler, model) -> int:
-    """Optimizer, schedule and RNG states from a checkpoint's state.pt; returns the steps done.
-    model: the module the optimizer trains (under --parallel fsdp its state goes onto the
-    shards)."""
-    if fsdp.is_sharded(model):
-        fsdp.restore_optimizer(model, optimizer, state["optimizer"])
-    else:
-        optimizer.load_state_dict(state["optimizer"])
+def restore_state(state: dict, load_optimizer, scheduler) -> int:
+    """Optimizer (through load_optimizer: the optimizer's load_state_dict, or FSDP's scatter onto
+    its shards), schedule and RNG states from a checkpoint's state.pt; returns the steps done."""
+    load_optimizer(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
@@ -238,43 +264,229 @@ def tracker_row(row: dict, prefix: str = "") -> dict:
     return flat
 
 
-def run_banner(run_dir: Path, records, batches, accelerator, start: int, *, resume: str) -> str:
+def announce(run_dir, records, batches, accelerator, start: int, cfg: Config, pool):
+    """The main process drops the rows written after the step it resumes from, and prints the
+    banner: the run folder, its size and processes, where it starts, its verifier, its sandbox."""
+    if not accelerator.is_main_process:
+        return
+    drop_rows_after(run_dir, start)
     processes = accelerator.num_processes
-    return (f"run folder {run_dir}; {len(records)} questions, {len(batches)} steps, "
-            f"{processes} process{'es' if processes > 1 else ''} on {accelerator.device.type}"
-            + (f", resuming after step {start}" if start
-               else ", no checkpoint yet: from step 0" if resume else ""))
+    where = (f", resuming after step {start}" if start
+             else ", no checkpoint yet: from step 0" if cfg.resume else "")
+    print(f"[t3rl] run folder {run_dir}; {len(records)} questions, {len(batches)} steps, "
+          f"{processes} process{'es' if processes > 1 else ''} on {accelerator.device.type}{where}"
+          f"\n[t3rl] {verifier_line(cfg)}", file=sys.stderr)
+    workers = f"{pool.workers} worker{'s' if pool.workers > 1 else ''}"
+    print(f"[t3rl] sandbox, {workers} per process:\n{pool.report}", file=sys.stderr)
 
 
-def verifier_line(cfg) -> str:
-    """What the run's verifier does, in one line (printed at the start; config.json holds each
-    field)."""
-    if not cfg.verify:
-        return "no verifier (--no-verify): TTRL's majority vote"
-    programs = cfg.verifier_programs
-    which = ("every rollout verified" if not cfg.verify_budget and not cfg.lazy_verify
-             else ", ".join(filter(None, [
-                 f"{cfg.verify_budget} rollout(s) per answer class" if cfg.verify_budget else "",
-                 "lazily" if cfg.lazy_verify else ""])))
+def verifier_line(cfg: Config) -> str:
+    """What the run's verifier does, in one line (config.json holds each setting)."""
+    if cfg.verifier_model == "none":
+        return "no verifier (--verifier-model none): TTRL's majority vote"
+    programs, which = cfg.verifier_programs, "every rollout verified"
+    if cfg.verify_budget or cfg.lazy_verify:
+        which = ", ".join(filter(None, [
+            f"{cfg.verify_budget} rollout(s) per answer class" if cfg.verify_budget else "",
+            "lazily" if cfg.lazy_verify else ""]))
     return (f"verifier {cfg.verifier_model}: {programs} program{'s' if programs > 1 else ''} per "
-            f"rollout, "
-            f"{'repair' if cfg.verifier_repair else 'no repair'}, "
+            f"rollout, {'repair' if cfg.verifier_repair else 'no repair'}, "
             f"{'verdict memory' if cfg.verdict_memory else 'no memory'}, {which}, "
-            f"{cfg.verifier_max_new_tokens} tokens at T {cfg.verifier_temperature:g} / top-p "
-            f"{cfg.verifier_top_p:g}")
+            f"{cfg.verifier_max_new_tokens} tokens at T 0.6 / top-p 0.95")
 
 
-def precision_notes(cfg, device, asked: str) -> list[str]:
-    """What a run says about its numerics, which t3rl sets itself: accelerate's mixed precision
-    stays off whatever its config asks (`asked`: ACCELERATE_MIXED_PRECISION), the update takes
-    bfloat16 autocast where the hardware runs it natively, sampling runs in --sample-dtype."""
-    notes = []
-    if asked != "no":
-        notes.append(f"accelerate's config asks for mixed precision {asked}; t3rl keeps it off and "
-                     f"sets its own: bfloat16 autocast in the update where the hardware has it "
-                     f"(--no-bf16: none), sampling in {cfg.sample_dtype} (--sample-dtype)")
-    if cfg.bf16 and not bf16_supported(device):
-        hardware = "GPU" if device.type == "cuda" else device.type.upper()
-        notes.append(f"this {hardware} has no native bfloat16: the update runs in float32, "
-                     f"sampling in {cfg.sample_dtype}")
-    return notes
+def settle(cfg: Config, gpu: bool):
+    """What the run fixes before it starts: the sampling dtype where it says auto (bfloat16 where
+    the device runs it natively: a resume on another machine samples alike), and the trackers,
+    which must be installed. OptionError otherwise."""
+    from accelerate.tracking import get_available_trackers
+    from accelerate.utils import LoggerType
+
+    from config import OptionError
+    if cfg.sample_dtype == "auto":
+        native = bf16_supported(torch.device("cuda" if gpu else "cpu"))
+        cfg.sample_dtype = "bfloat16" if native else "float32"
+    for name in tracker_names(cfg):
+        if name not in LoggerType.list():
+            raise OptionError(f"--report-to {name}: choose from {', '.join(LoggerType.list())} "
+                              f"or none")
+        if name != "all" and name not in {str(t) for t in get_available_trackers()}:
+            raise OptionError(f"--report-to {name}: the {name} package is not installed; pip "
+                              f"install {name}")
+
+
+def make_accelerator(cfg: Config, gpu: bool) -> Accelerator:
+    """accelerate's Accelerator as t3rl runs it, every process on the main one's run name. t3rl sets
+    its own numerics (grpo.py's bf16 autocast, the sampling dtype): the mixed precision an
+    accelerate config may ask for would add an autocast and a GradScaler, so it stays off, with a
+    line saying so. The process group waits out a checkpoint save (PROCESS_GROUP_TIMEOUT); DDP keeps
+    the gradients in its all-reduce buckets (accelerate's default holds a second copy of them)."""
+    handlers = [InitProcessGroupKwargs(timeout=PROCESS_GROUP_TIMEOUT),
+                DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
+    accelerator = Accelerator(cpu=not gpu, mixed_precision="no", kwargs_handlers=handlers,
+                              log_with=tracker_names(cfg) or None, project_dir=run_dir_of(cfg))
+    # each process named the run by its own clock as it parsed its command line: rank 0's holds
+    cfg.run_name = broadcast_object_list([cfg.run_name])[0]
+    asked = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if accelerator.is_main_process and asked != "no":
+        print(f"[t3rl] accelerate's config asks for mixed precision {asked}; t3rl keeps it off and "
+              f"sets its own: bfloat16 autocast in the update where the hardware has it, sampling "
+              f"in {cfg.sample_dtype}", file=sys.stderr)
+    if accelerator.is_main_process and not bf16_supported(accelerator.device):
+        print(f"[t3rl] this {accelerator.device.type.upper()} has no native bfloat16: the update "
+              f"runs in float32, sampling in {cfg.sample_dtype}", file=sys.stderr)
+    return accelerator
+
+
+def metrics_logger(run_dir, accelerator):
+    """log(row): the main process appends the row to metrics.jsonl and hands it to the trackers."""
+    def log(row):
+        if accelerator.is_main_process:
+            append_jsonl(run_dir / "metrics.jsonl", [row])
+            accelerator.log(tracker_row(row), step=row["step"] + (row["kind"] == "train"))
+    return log
+
+
+def log_rollouts(step, shard, groups, answers, verdicts, judged, run_dir, accelerator):
+    """Every rollout of the step (text, answer, verdict, reward, kept) to rollouts.jsonl."""
+    rows = []
+    for rec, group, ans, ver, question in zip(shard, groups, answers, verdicts, judged):
+        for i, (c, res) in enumerate(zip(group, ver)):  # res is None without a verifier
+            rows.append({"step": step, "id": rec["id"], "index": i, "text": c.text,
+                         "answer": ans[i], "v": question.v[i], "result": res and res.result,
+                         "status": res and res.status, "inherited": res and res.inferred,
+                         "reward": question.rewards[i], "label": question.vote.label,
+                         "kept": i in question.keep, "program": res and res.code,
+                         "repaired_from": res and res.repaired_from,
+                         "remembered": res and res.remembered, "programs": res and res.programs,
+                         **({} if c.tool_calls is None else {"tool_calls": [
+                             {"code": t.code, "status": t.status, "output": t.output}
+                             for t in c.tool_calls]})})
+    rows = gather_object(rows)
+    if accelerator.is_main_process:
+        append_jsonl(run_dir / "rollouts.jsonl", rows)
+
+
+def check_prompts_fit(prompts: list, tokenizer, model, cfg: Config):
+    """Stop before any sampling when a question's prompt plus --max-new-tokens exceeds the policy's
+    context (skipping it silently would change the benchmark). prompts: (question id, prompt)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    for qid, prompt in prompts if context else []:
+        n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+        if n + cfg.max_new_tokens > context:
+            fix = f"lower --max-new-tokens to {context - n}, or " if n < context else ""
+            raise DataError(f"question {qid} of --bench {cfg.bench}: its prompt ({n} tokens) + "
+                            f"--max-new-tokens {cfg.max_new_tokens} exceeds the policy's context "
+                            f"of {context} tokens; the run stops here: {fix}remove that question "
+                            f"from the benchmark file")
+
+
+@contextmanager
+def sigterm_as_ctrl_c():
+    """SIGTERM (a Slurm time limit, a launcher stopping the others when one fails) raises
+    KeyboardInterrupt, so the run ends as after Ctrl-C: the pool and trackers close and the resume
+    command is printed. Python takes signals in the main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+# ------------------------------------------------------------------------------------------------
+# Files that survive a kill: written aside and renamed, or appended (a kill cuts at most a last line)
+
+class DataError(ValueError):
+    """A data file (a benchmark, or a run's JSON-lines) cannot be read; the message names the file,
+    the line and what to do."""
+
+
+def _remove(path: Path):
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
+def replacing(dest: Path):
+    """A temporary path beside dest (same folder: the rename is atomic) to write a file or a folder
+    to; it replaces dest when the block ends, and is removed instead when the block raises."""
+    tmp = dest.with_name(f"{dest.name}.tmp-{os.getpid()}")
+    _remove(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    os.replace(tmp, dest)
+
+
+def write_atomically(path: Path, text: str):
+    with replacing(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def jsonl_objects(path: Path, torn_tail_ok: bool = False):
+    """(line number, object) for each non-blank line of a JSON-lines file; errors name the file and
+    the line. With torn_tail_ok, a last line without its newline that does not parse (what a kill
+    during an append leaves) is dropped with a note instead."""
+    lines = path.read_bytes().split(b"\n")
+    for lineno, raw in enumerate(lines, start=1):
+        try:
+            line = raw.decode("utf-8")
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            if torn_tail_ok and lineno == len(lines):
+                print(f"[t3rl] {path}:{lineno}: dropped a half-written last line "
+                      f"(left by a kill during a write)", file=sys.stderr)
+                return
+            if isinstance(err, UnicodeDecodeError):
+                raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} "
+                                f"at column {err.start + 1}); save the file as UTF-8") from None
+            raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg}); "
+                            f"fix or delete that line") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+        yield lineno, obj
+
+
+def read_jsonl_rows(path: Path) -> list[dict]:
+    """The rows of a JSON-lines file (none when the file is missing): metrics.jsonl,
+    rollouts.jsonl, study.jsonl."""
+    return [row for _, row in jsonl_objects(path, torn_tail_ok=True)] if path.is_file() else []
+
+
+def append_jsonl(path: Path, rows: list[dict]):
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def write_jsonl(path: Path, rows):
+    """Replace a JSONL file with `rows`, atomically."""
+    write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def keep_jsonl(path: Path, keep):
+    """Rewrite a JSONL file with only the rows `keep` accepts (resume drops what came after the
+    checkpoint, and a torn last line with it)."""
+    if path.is_file():
+        write_jsonl(path, [r for r in read_jsonl_rows(path) if keep(r)])
+
+
+def drop_torn_tail(path: Path):
+    """Rewrite a JSONL file whose last line was cut by a kill during an append, without that line
+    (a file that ends in a newline is left alone)."""
+    if path.is_file() and path.stat().st_size:
+        with open(path, "rb") as fh:
+            fh.seek(-1, os.SEEK_END)
+            if fh.read(1) != b"\n":
+                keep_jsonl(path, lambda row: True)

@@ -3,17 +3,18 @@
 Most tests need *some* transformer, not a good one: the tiny model (2 layers, hidden 64) keeps them fast
 while exercising the same code paths (real 152k vocabulary, grouped-query attention, rotary embeddings).
 """
+import dataclasses
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-import config
-from machinery.options import parse_config
-from machinery import domains
 import t3rl
+import verifier
+from config import parse_config
 from helpers import QUESTIONS, fake_answer, make_tiny_model, scripted_verifier, tiny_argv, write_bench
+from machinery import runs
 from sandbox import SandboxPool
 
 os.environ.setdefault("T3RL_DATA_DIR", str(Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -55,10 +56,14 @@ def tiny_dir(tmp_path_factory, tokenizer):
     return folder
 
 
+FAKE_MATH = dataclasses.replace(verifier.MATH, extract=lambda text, problem: fake_answer(text))
+
+
 @pytest.fixture()
 def patched(monkeypatch):
-    monkeypatch.setattr(domains, "extract_answer", fake_answer)
-    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: scripted_verifier if cfg.verify else None)
+    """The tiny model's rollouts get fake answers, and the verifier is scripted_verifier."""
+    monkeypatch.setattr(verifier, "MATH", FAKE_MATH)
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: scripted_verifier)
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +76,9 @@ def finished_run(tmp_path_factory, tokenizer):
     write_bench(root / "data", QUESTIONS)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("T3RL_DATA_DIR", str(root / "data"))
-        mp.setattr(domains, "extract_answer", fake_answer)
-        mp.setattr(t3rl, "build_verifier", lambda cfg, device: scripted_verifier if cfg.verify else None)
-        mp.setattr(t3rl.machinery.runs, "finish_run", lambda run_dir: None)
+        mp.setattr(verifier, "MATH", FAKE_MATH)
+        mp.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: scripted_verifier)
+        mp.setattr(runs, "finish_run", lambda run_dir: None)
         run = t3rl.train(parse_config(tiny_argv(root / "tiny", root / "out", max_steps=4, save_every=2)))
     assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
     return run

@@ -65,6 +65,25 @@ class FakeHubHandler(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def sample(model, tokenizer, prompts, n=1, max_new_tokens=16, *, temperature=0.6, top_p=0.95, seed=None,
+           backend="kv", ignore_eos=False, dtype=None, memory_budget=None):
+    """generate through sampler.py (backend kv or hf), extensions/kv_fast.py (kv-fast, with its wave
+    memory budget) or extensions/engine.py (vllm), the sampling settings as keywords."""
+    import sampler
+    from extensions import kv_fast
+    sampling = sampler.Sampling(max_new_tokens, temperature, top_p, dtype, ignore_eos)
+    if backend == "vllm":
+        from extensions import engine
+        return engine.generate(model, tokenizer, prompts, n, sampling, seed=seed)
+    if backend != "kv-fast":
+        return sampler.generate(model, tokenizer, prompts, n, sampling, seed=seed, backend=backend)
+    budget, kv_fast.SETTINGS.memory_budget = kv_fast.SETTINGS.memory_budget, memory_budget
+    try:
+        return kv_fast.generate(model, tokenizer, prompts, n, sampling, seed=seed)
+    finally:
+        kv_fast.SETTINGS.memory_budget = budget
+
+
 def token_rows(result):
     return [[c.token_ids for c in group] for group in result]
 
@@ -109,6 +128,18 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository
 QUESTIONS = [("What is 1 + 1?", "2"), ("What is 2 + 2?", "4"), ("What is 3 + 3?", "6"), ("What is 4 + 4?", "8")]
 
 
+def verify_batch(problems, texts, answers, verifier, domain, pool=None, budget=0, omega=None, groups=None,
+                 seeds=None):
+    """Verify rollouts as a run does (t3rl.verify_function): the paper's, with a budget or lazily at omega
+    where given; rollouts of one problem (or of one group) vote together."""
+    import config
+    import verifier as verifier_module
+    batch = [verifier_module.ToVerify(p, t, a, g, s) for p, t, a, g, s in
+             zip(problems, texts, answers, groups or problems, seeds or [None] * len(problems))]
+    cfg = config.Config(verify_budget=budget, lazy_verify=omega is not None, omega=omega or 1.0)
+    return t3rl.verify_function(cfg, verifier, pool, domain)(batch, [None] * len(batch))
+
+
 def fake_answer(text):
     """The tiny random model never writes \\boxed{}; give each rollout a deterministic answer from its text
     so that votes, rewards and the GRPO update are not all trivial."""
@@ -132,7 +163,7 @@ def tiny_argv(tiny_dir, out_dir, **extra):
     options = dict(preset="cpu", model=str(tiny_dir), verifier_model="self", bench="demo", n_votes=4, n_train=2, questions_per_step=2,
                    max_steps=4, max_new_tokens=12, verifier_max_new_tokens=8, lr=1e-3, save_every=2,
                    eval_samples=2, eval_every=0, out_dir=str(out_dir), run_name="run", backend="kv", sample_dtype="bfloat16",
-                   bf16=False, grad_checkpointing=False, top_p=1.0, eval_top_p=1.0)
+                   grad_checkpointing=False, top_p=1.0)
     options.update(extra)
     flag = lambda k: "--" + k.replace("_", "-")  # noqa: E731
     return [(flag(k) if v else "--no-" + k.replace("_", "-")) if isinstance(v, bool) else f"{flag(k)}={v}"

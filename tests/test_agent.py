@@ -7,21 +7,17 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-import config
-from machinery.options import parse_config
-import sampler
-import machinery
 import t3rl
-from machinery.domains import domain_of
-from machinery.agent import Interpreter, ToolCall
 from answers import extract_answer
-from grpo import GRPOSettings, Rollouts, grpo_step, policy_loss
-from machinery.optim import cosine_schedule, make_optimizer
-from machinery.batches import pad_batch
+from config import Config, parse_config
+from extensions import agent, kv_fast, study
+from extensions.agent import Interpreter, ToolCall
+from grpo import Rollouts, grpo_step, make_optimization, pad_batch, policy_loss
 from helpers import (QUESTIONS, final_weights, interrupted_at_update, make_tiny_model, rows, small_vocab_model,
                      tiny_argv, without_timing, write_bench)
-from sampler import generate
+from sampler import Sampling
 from sandbox import SandboxPool
+from verifier import MATH
 
 
 class ScriptedPolicy(Qwen2ForCausalLM):
@@ -56,8 +52,8 @@ PROMPT = [9707, 13]  # "Hello."
 
 def scripted_text(tokenizer, pool, script, max_calls=4, max_new_tokens=120):
     policy = ScriptedPolicy(tokenizer, script, len(PROMPT))
-    [[completion]] = generate(policy, tokenizer, [PROMPT], n=1, max_new_tokens=max_new_tokens, temperature=0,
-                              backend="hf", tools=Interpreter(tokenizer, pool, max_calls))
+    [[completion]] = agent.generate(policy, tokenizer, [PROMPT], 1, Sampling(max_new_tokens, 0.0), None, "hf",
+                                    Interpreter(tokenizer, pool, max_calls))
     return completion
 
 
@@ -83,7 +79,7 @@ def test_an_agent_rollouts_answer_is_what_the_policy_stated_not_its_code_or_tool
     completion = scripted_text(tokenizer, pool, script)
     assert completion.tool_calls and completion.tool_calls[0].status == "ok"
     assert extract_answer(completion.text) not in (None, answer)  # the whole text reads the tool's line
-    assert t3rl.read_answers([{"problem": "?"}], [[completion]], domain_of("demo")) == [[answer]]
+    assert t3rl.read_answers([{"problem": "?"}], [[completion]], MATH) == [[answer]]
     assert "```output" not in completion.policy_text
 
 
@@ -132,16 +128,16 @@ def test_the_kv_sampler_appends_the_output_to_the_rows_cache_and_matches_resampl
     model.generation_config.eos_token_id = 199
     prompts = [[3, 17, 29, 5, 8], [11], [40, 2, 2]]
     prefills = []
-    real_prefill = sampler.prefill
-    monkeypatch.setattr(sampler, "prefill", lambda *args: prefills.append(1) or real_prefill(*args))
-    tools = {backend: EveryFewTokens(200) for backend in ("kv", "hf")}
-    out = {backend: generate(model, None, prompts, n=2, max_new_tokens=15, temperature=0, backend=backend,
-                             tools=tools[backend]) for backend in ("kv", "hf")}
-    kv, hf = ([(c.token_ids, c.tool_mask, c.finish_reason) for g in out[b] for c in g] for b in ("kv", "hf"))
-    assert kv == hf  # hf samples on from the whole context each round; kv from the row's cache
+    real_prefill = kv_fast.prefill_shared
+    monkeypatch.setattr(kv_fast, "prefill_shared", lambda *args: prefills.append(1) or real_prefill(*args))
+    tools = {backend: EveryFewTokens(200) for backend in ("kv-fast", "hf")}
+    out = {backend: agent.generate(model, None, prompts, 2, Sampling(15, 0.0), None, backend, tools[backend])
+           for backend in ("kv-fast", "hf")}
+    kv, hf = ([(c.token_ids, c.tool_mask, c.finish_reason) for g in out[b] for c in g] for b in ("kv-fast", "hf"))
+    assert kv == hf  # hf samples on from the whole context each round; kv-fast from the row's cache
     assert prefills == [1]  # one wave, prefilled once: the outputs went into the cache, no row was prefilled again
-    assert all(c.tool_mask[3:6] == [True] * 3 and c.token_ids[3:6] == [7, 8, 9] for g in out["kv"] for c in g)
-    assert tools["kv"].batches == [6, 6]  # every row's first call in one run, then every row's second
+    assert all(c.tool_mask[3:6] == [True] * 3 and c.token_ids[3:6] == [7, 8, 9] for g in out["kv-fast"] for c in g)
+    assert tools["kv-fast"].batches == [6, 6]  # every row's first call in one run, then every row's second
 
 
 class OneLongOutput(EveryFewTokens):
@@ -159,9 +155,9 @@ def test_the_kv_sampler_cuts_an_output_to_the_rows_budget_while_other_rows_go_on
     model.generation_config.eos_token_id = 199
     # 12 rows: a row that finishes alone stays in the batch (compaction waits for an eighth of it)
     prompts = [[k, k + 20] for k in range(1, 13)]
-    out = {backend: generate(model, None, prompts, n=1, max_new_tokens=7, temperature=0, backend=backend,
-                             tools=OneLongOutput(200)) for backend in ("kv", "hf")}
-    kv, hf = ([(c.token_ids, c.tool_mask, c.finish_reason) for g in out[b] for c in g] for b in ("kv", "hf"))
+    out = {backend: agent.generate(model, None, prompts, 1, Sampling(7, 0.0), None, backend, OneLongOutput(200))
+           for backend in ("kv-fast", "hf")}
+    kv, hf = ([(c.token_ids, c.tool_mask, c.finish_reason) for g in out[b] for c in g] for b in ("kv-fast", "hf"))
     assert kv == hf and all(len(tokens) == 7 for tokens, _, _ in kv)
     assert sorted(sum(mask) for _, mask, _ in kv)[-2:] == [1, 4]  # one output cut from 5 to 4 tokens, alone
 
@@ -187,13 +183,14 @@ def test_tool_output_gets_no_gradient_and_the_policys_tokens_do():
 
 def test_a_rollout_without_calls_trains_as_a_plain_one_and_tool_tokens_do_not_count(tiny_model):
     prompts, completions = [[1, 2, 3], [4, 5], [6, 7], [8]], [[11, 12], [13, 14, 15, 16], [17], [18, 19, 20]]
-    settings = GRPOSettings(group_size=2, temperature=0.6, bf16=False)
+    settings = Config(n_train=2, temperature=0.6, mini_batch_questions=0, loss_agg="dapo", micro_batch_rollouts=0,
+                      micro_batch_tokens=4096, grad_checkpointing=False)
     weights = []
     for masks in (None, [[False] * len(c) for c in completions], [[False, True], [False] * 4, [False], [False] * 3]):
         model = make_tiny_model(tiny_model.config.vocab_size)
-        optimizer = make_optimizer(model, lr=1e-3)
-        metrics = grpo_step(model, optimizer, cosine_schedule(optimizer, 1), Rollouts(prompts, completions,
-                            [1.0, 0.0, 0.0, 1.0], tool_masks=masks), settings)
+        optimizer, scheduler = make_optimization(model, Config(lr=1e-3), 1)
+        metrics = grpo_step(model, optimizer, scheduler, Rollouts(prompts, completions,
+                            [1.0, 0.0, 0.0, 1.0], tool_masks=masks), settings, bf16=False)
         weights.append([p.detach().clone() for p in model.parameters()])
         assert metrics["response_tokens"] == 10 - (masks is not None and sum(map(sum, masks)))
     assert all(torch.equal(a, b) for a, b in zip(weights[0], weights[1]))
@@ -204,7 +201,7 @@ class CountingInterpreter(Interpreter):
     """The real interpreter (the sandbox runs the code, the tokenizer spells the output), with a block 'closed'
     once a row has sampled five tokens since its last output: a random tiny model never writes a fence."""
 
-    def __init__(self, tokenizer, pool, max_calls=4):
+    def __init__(self, tokenizer, pool, max_calls=2):
         super().__init__(tokenizer, pool, max_calls)
         self.triggers = set(range(len(tokenizer)))
 
@@ -215,8 +212,8 @@ class CountingInterpreter(Interpreter):
 def test_an_interrupted_agent_run_resumes_exactly_and_logs_its_tool_use(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setattr(machinery.agent, "Interpreter", CountingInterpreter)
-    options = dict(agent=True, agent_max_calls=2, max_new_tokens=24, max_steps=3)
+    monkeypatch.setattr(agent, "Interpreter", CountingInterpreter)
+    options = dict(agent=True, backend="kv-fast", max_new_tokens=24, max_steps=3)
     straight = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "a", **options)))
     with interrupted_at_update(monkeypatch, 3), pytest.raises(SystemExit):
         t3rl.main(tiny_argv(tiny_dir, tmp_path / "b", **options))
@@ -238,7 +235,7 @@ def test_an_interrupted_agent_run_resumes_exactly_and_logs_its_tool_use(tiny_dir
 
 
 def test_agent_monitors_count_the_rollouts_whose_answer_a_call_printed(tokenizer, pool):
-    from machinery.agent import agent_monitors
+    from extensions.agent import agent_monitors
     right = scripted_text(tokenizer, pool, "```python\nprint(6 * 7)\n```|So \\boxed{42}.")
     other = scripted_text(tokenizer, pool, "```python\nprint(6 * 7)\n```|So \\boxed{41}.")
     stats = agent_monitors([right, other], ["42", "41"])
@@ -250,11 +247,10 @@ def test_agent_monitors_count_the_rollouts_whose_answer_a_call_printed(tokenizer
 def test_the_study_with_agent_votes_on_agent_rollouts_beside_the_plain_ones(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setattr(machinery.agent, "Interpreter", CountingInterpreter)
+    monkeypatch.setattr(agent, "Interpreter", CountingInterpreter)
     monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: lambda prompts: ["no code"] * len(prompts))
-    argv = tiny_argv(tiny_dir, tmp_path, study=True, agent=True, n_votes=4, n_train=2, max_new_tokens=40,
-                      agent_max_calls=2)
-    run_dir = machinery.study.run_study(parse_config(argv))
+    argv = tiny_argv(tiny_dir, tmp_path, agent=True, backend="kv-fast", n_votes=4, n_train=2, max_new_tokens=40)
+    run_dir = study.run_study(study.study_config(argv, gpu=False))
     [first, *_] = [json.loads(line) for line in (run_dir / "study.jsonl").read_text().splitlines()]
     assert len(first["agent_answers"]) == 4 and all(len(calls) == 2 for calls in first["agent_calls"])
     assert first["agent_text"] != first["text"]  # the plain rollouts have no tool output

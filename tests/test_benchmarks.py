@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from machinery import benchmarks
-from machinery import files
+from machinery import runs
 from helpers import ROOT, FakeHub
 
 
@@ -32,14 +32,14 @@ def test_unknown_bench_is_rejected():
 def test_malformed_json_names_file_and_line(tmp_path, monkeypatch):
     (tmp_path / "amc.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "oops"\n')
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path))
-    with pytest.raises(files.DataError, match=r"amc.jsonl:2: invalid JSON"):
+    with pytest.raises(runs.DataError, match=r"amc.jsonl:2: invalid JSON"):
         benchmarks.load_bench("amc")
 
 
 def test_record_without_answer_names_file_and_line(tmp_path, monkeypatch):
     (tmp_path / "amc.jsonl").write_text('{"problem": "1+1", "answer": "2"}\n\n{"problem": "2+2"}\n')
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path))
-    with pytest.raises(files.DataError, match=r"amc.jsonl:3: record has no 'answer'"):
+    with pytest.raises(runs.DataError, match=r"amc.jsonl:3: record has no 'answer'"):
         benchmarks.load_bench("amc")
 
 
@@ -106,3 +106,13 @@ def test_a_data_folder_without_the_benchmark_is_named_in_the_error(tmp_path, mon
         with pytest.raises(benchmarks.BenchError) as err:
             benchmarks.load_bench("aime2024")
         assert str(err.value).startswith(f"--bench aime2024: {said}") and "\n" not in str(err.value)
+
+
+def test_a_jsonl_file_is_a_benchmark(tmp_path):
+    """--bench questions.jsonl: a file of {id, problem, answer} records, read as a named benchmark is."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"id": "a", "problem": "1+1", "answer": "2"}\n{"id": "b", "problem": "2+2", "answer": "4"}\n')
+    assert [r["id"] for r in benchmarks.load_bench(str(path))] == ["a", "b"]
+    path.write_text('{"id": "a", "problem": "1+1"}\n')
+    with pytest.raises(runs.DataError, match=r"mine.jsonl:1: record has no 'answer'"):
+        benchmarks.load_bench(str(path))

@@ -11,22 +11,21 @@ import sys
 import pytest
 import torch
 
-import config
-from machinery.options import parse_config
+import grpo
 import t3rl
-from grpo import GRPOSettings, Rollouts, grpo_step
-from machinery.optim import cosine_schedule, make_optimizer
-from machinery.batches import pad_batch
+from config import Config, parse_config
+from sampler import Sampling
+from verifier import MATH
+from grpo import Rollouts, grpo_step, make_optimization, pad_batch
 from machinery.logprobs import token_logprobs
-from helpers import (QUESTIONS, ROOT, interrupted_at_update, make_tiny_model, rows, tiny_argv,
+from helpers import (QUESTIONS, ROOT, sample, interrupted_at_update, make_tiny_model, rows, tiny_argv,
                      write_bench)
-from sampler import generate
 from test_invariants import assert_trained_alike, train_like_one
 
 pytestmark = pytest.mark.engine
 if os.environ.get("T3RL_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm")
-from machinery import engine  # noqa: E402
+from extensions import agent, engine  # noqa: E402
 
 CHAT = ["Say hi.", "What is 2 + 3? Reply with the number only."]
 OPEN = ["Write one sentence about the sea.", "Name an animal and say why you like it."]  # many likely replies
@@ -64,9 +63,9 @@ def engine_dir(tmp_path_factory, tokenizer):
 def test_greedy_rows_equal_transformers_greedy_and_end_at_eos(policy):
     model, tokenizer = policy
     prompts = chat_prompts(tokenizer)
-    served = generate(model, tokenizer, prompts, n=2, max_new_tokens=32, temperature=0, backend="vllm",
+    served = sample(model, tokenizer, prompts, n=2, max_new_tokens=32, temperature=0, backend="vllm",
                       dtype=torch.float32)
-    reference = generate(model, tokenizer, prompts, n=1, max_new_tokens=32, temperature=0, backend="hf")
+    reference = sample(model, tokenizer, prompts, n=1, max_new_tokens=32, temperature=0, backend="hf")
     eos = model.generation_config.eos_token_id
     for prompt, group, (ref,) in zip(prompts, served, reference):
         assert [c.token_ids for c in group] == [ref.token_ids] * 2
@@ -80,9 +79,9 @@ def test_seeded_samples_repeat_whatever_they_are_batched_with(policy):
     model, tokenizer = policy
     prompts = chat_prompts(tokenizer, OPEN)
     options = dict(n=4, max_new_tokens=12, temperature=1.0, top_p=1.0, backend="vllm", dtype=torch.float32)
-    both = generate(model, tokenizer, prompts, seed=[11, 12], **options)
-    alone = generate(model, tokenizer, prompts[1:], seed=[12], **options)
-    other = generate(model, tokenizer, prompts[1:], seed=[13], **options)
+    both = sample(model, tokenizer, prompts, seed=[11, 12], **options)
+    alone = sample(model, tokenizer, prompts[1:], seed=[12], **options)
+    other = sample(model, tokenizer, prompts[1:], seed=[13], **options)
     assert [c.token_ids for c in both[1]] == [c.token_ids for c in alone[0]]
     assert [c.token_ids for c in other[0]] != [c.token_ids for c in alone[0]]
     assert len({tuple(c.token_ids) for c in both[0]}) > 1  # n samples of a prompt are n draws, not one repeated
@@ -96,7 +95,7 @@ def test_engine_logprobs_are_the_trainers_at_the_sampling_temperature(policy):
     computes it (float32 on both sides: equal to rounding)."""
     model, tokenizer = policy
     prompts = chat_prompts(tokenizer, OPEN)
-    groups = generate(model, tokenizer, prompts, n=2, max_new_tokens=16, temperature=0.7, top_p=1.0, seed=[1, 2],
+    groups = sample(model, tokenizer, prompts, n=2, max_new_tokens=16, temperature=0.7, top_p=1.0, seed=[1, 2],
                       backend="vllm", dtype=torch.float32)
     rollouts = [c for group in groups for c in group]
     batch = pad_batch([c.prompt_ids for c in rollouts], [c.token_ids for c in rollouts])
@@ -110,20 +109,18 @@ def test_agent_rollouts_on_the_engine_run_the_blocks_like_transformers(policy, p
     """The engine stops a row after a fence, and sample_with_tools appends the block's output and samples on: the
     same greedy rollouts as transformers with its stopping criterion, and sampled ones with a log-prob for
     each token the policy sampled (none for the tool's)."""
-    from machinery.agent import TOOL_INSTRUCTION, Interpreter
-    from machinery.domains import MATH_INSTRUCTION
     model, tokenizer = policy
-    prompt = t3rl.policy_prompt(tokenizer, "What is $123 \\times 456 + 789$?", MATH_INSTRUCTION + TOOL_INSTRUCTION)
-    tools = Interpreter(tokenizer, pool, max_calls=2)
-    [[served]], [[reference]] = (generate(model, tokenizer, [prompt], n=1, max_new_tokens=200, temperature=0,
-                                          backend=backend, tools=tools,
-                                          **({"dtype": torch.float32} if backend == "vllm" else {}))
-                                 for backend in ("vllm", "hf"))
+    prompt = t3rl.policy_prompt(tokenizer, "What is $123 \\times 456 + 789$?",
+                                MATH.instruction + agent.TOOL_INSTRUCTION)
+    tools = agent.Interpreter(tokenizer, pool, max_calls=2)
+    [[served]], [[reference]] = (agent.generate(model, tokenizer, [prompt], 1, Sampling(
+        200, 0.0, dtype=torch.float32 if backend == "vllm" else None), None, backend, tools)
+        for backend in ("vllm", "hf"))
     assert [c.output for c in served.tool_calls] == ["56877"]
     assert (served.token_ids, served.tool_mask) == (reference.token_ids, reference.tool_mask)
     assert "```output\n56877\n```" in served.text
-    [sampled] = generate(model, tokenizer, [prompt], n=2, max_new_tokens=200, temperature=0.6, seed=1, backend="vllm",
-                         dtype=torch.float32, tools=tools)
+    [sampled] = agent.generate(model, tokenizer, [prompt], 2, Sampling(200, 0.6, dtype=torch.float32), 1, "vllm",
+                               tools)
     for c in sampled:
         assert len(c.token_logprobs) == c.tool_mask.count(False)
 
@@ -135,35 +132,35 @@ def test_the_engine_follows_each_update_and_only_then_reloads(engine_dir, tokeni
     model, _ = load_model(str(engine_dir))
     prompts = [[9707, 11, 1879, 0], [785, 4226, 553]]
     greedy = dict(n=1, max_new_tokens=10, temperature=0, backend="vllm", dtype=torch.float32)
-    before = [g[0].token_ids for g in generate(model, tokenizer, prompts, **greedy)]
-    served = engine.engine_for(model, tokenizer, torch.float32)
+    before = [g[0].token_ids for g in sample(model, tokenizer, prompts, **greedy)]
+    served = engine.start(model, tokenizer, torch.float32)
     syncs = served.syncs
-    assert [g[0].token_ids for g in generate(model, tokenizer, prompts, **greedy)] == before
+    assert [g[0].token_ids for g in sample(model, tokenizer, prompts, **greedy)] == before
     assert served.syncs == syncs                                    # nothing changed: nothing loaded
-    optimizer = make_optimizer(model, lr=0.05, weight_decay=0.0)
+    optimizer, scheduler = make_optimization(model, Config(lr=0.05), 10)
     rollouts = Rollouts([prompts[0]] * 2 + [prompts[1]] * 2, [before[0], [42] * 10, before[1], [7] * 10],
                         [0.0, 1.0, 0.0, 1.0])
-    grpo_step(model, optimizer, cosine_schedule(optimizer, 10), rollouts, GRPOSettings(2, bf16=False))
-    after = [g[0].token_ids for g in generate(model, tokenizer, prompts, **greedy)]
+    grpo_step(model, optimizer, scheduler, rollouts, Config(n_train=2, mini_batch_questions=0, temperature=1.0,
+                                                            grad_checkpointing=False), bf16=False)
+    after = [g[0].token_ids for g in sample(model, tokenizer, prompts, **greedy)]
     assert served.syncs == syncs + 1
-    assert after == [g[0].token_ids for g in generate(model, tokenizer, prompts, **{**greedy, "dtype": None,
+    assert after == [g[0].token_ids for g in sample(model, tokenizer, prompts, **{**greedy, "dtype": None,
                                                                                       "backend": "hf"})]
     assert after != before
 
 
-def test_a_run_on_the_engine_logs_the_logprob_gap_and_corrects_it(engine_dir, tmp_path, monkeypatch, patched):
+def test_a_run_on_the_engine_logs_the_logprob_gap(engine_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr(grpo, "bf16_supported", lambda device: False)  # a float32 trainer
     run = t3rl.train(parse_config(tiny_argv(engine_dir, tmp_path / "out", max_steps=2, backend="vllm",
-                                                   sample_dtype="float32", vllm_is_correction=True,
-                                                   mini_batch_questions=1, top_p=1.0)))
+                                            sample_dtype="float32", mini_batch_questions=1, top_p=1.0)))
     train = [r for r in rows(run, "metrics.jsonl") if r["kind"] == "train"]
     assert len(train) == 2
     # float32 engine against the float32 trainer, no top-p (which renormalises the engine's log-probs over the
-    # nucleus): a gap at rounding level, weights near 1
+    # nucleus): a gap at rounding level
     for row in train:
         assert 0 <= row["grpo/logprob_mismatch"] < 1e-2
-        assert row["grpo/is_weight"] == pytest.approx(1.0, abs=1e-2)
 
 
 def test_two_processes_on_the_engine_train_like_one(engine_dir, tmp_path, monkeypatch, patched):
@@ -196,10 +193,11 @@ STARTED = """import sys
 sys.path.insert(0, {root!r})
 import accelerate
 import torch.distributed as dist
-from machinery import domains
-from machinery import engine
+import dataclasses
+from extensions import engine
 import t3rl
-domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
+import verifier
+verifier.MATH = dataclasses.replace(verifier.MATH, extract=lambda text, problem: str(len(text) % 3))
 events = []
 
 
@@ -221,14 +219,14 @@ print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}}: {{' '.join(eve
 
 def test_every_process_starts_its_engines_right_after_prepare(engine_dir, tmp_path):
     """torchrun, 2 processes, one question: process 1 samples nothing in the whole run, and still
-    starts the policy's engine and the verifier's with process 0, before the first evaluation."""
+    starts the verifier's engine and the policy's with process 0, after prepare and before the first
+    evaluation."""
     write_bench(tmp_path / "data", QUESTIONS[:1])
     script = tmp_path / "started.py"
     script.write_text(STARTED.format(root=str(ROOT)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data")}
     argv = tiny_argv(engine_dir, tmp_path / "out", questions_per_step=1, max_steps=1,
-                     eval_samples=1, backend="vllm", verifier_backend="vllm",
-                     sample_dtype="float32")
+                     eval_samples=1, backend="vllm", sample_dtype="float32")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node=2", str(script), *argv],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
@@ -236,18 +234,18 @@ def test_every_process_starts_its_engines_right_after_prepare(engine_dir, tmp_pa
     # the processes share stdout: another's summary may follow a line without a newline between
     events = r"(?:engine|prepare|eval|step)(?: (?:engine|prepare|eval|step))*"
     seen = sorted(re.findall(rf"process (\d) of (\d): ({events})", done.stdout))
-    # the verifier's engine as its model is built, the policy's after prepare
-    assert seen == [(str(rank), "2", "engine prepare engine eval step eval") for rank in range(2)]
+    assert seen == [(str(rank), "2", "prepare engine engine eval step eval") for rank in range(2)]
     assert len(rows(tmp_path / "out" / "run", "rollouts.jsonl")) == 4  # one question's N rollouts
 
 
 ONE_LAUNCHED = """import os
 import sys
 sys.path.insert(0, {root!r})
+import dataclasses
 import vllm
-from machinery import domains
 import t3rl
-domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
+import verifier
+verifier.MATH = dataclasses.replace(verifier.MATH, extract=lambda text, problem: str(len(text) % 3))
 executors, real = [], vllm.LLM.__init__
 
 
@@ -270,7 +268,7 @@ def test_one_launched_process_starts_its_engines_on_the_launchers_executor(engin
     script.write_text(ONE_LAUNCHED.format(root=str(ROOT)))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data")}
     argv = tiny_argv(engine_dir, tmp_path / "out", questions_per_step=2, max_steps=1, eval_samples=1,
-                     backend="vllm", verifier_backend="vllm", sample_dtype="float32")
+                     backend="vllm", sample_dtype="float32")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node=1", str(script), *argv],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)

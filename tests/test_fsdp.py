@@ -1,4 +1,4 @@
-"""--parallel fsdp (machinery/fsdp.py): real torchrun processes on CPUs (gloo) train as DDP's do on
+"""--parallel fsdp (extensions/fsdp.py): real torchrun processes on CPUs (gloo) train as DDP's do on
 the same seeds, with a process that has no question, with processes that hold different numbers of
 micro-batches, and from a checkpoint; the checkpoint is a --model folder as DDP's is."""
 import os
@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 
-from config import GRPOSettings, OptionError
-from grpo import Rollouts
-from machinery import batches, model as models
-from machinery.options import parse_config
+from config import Config, OptionError, parse_config
+from grpo import Rollouts, plan_batches
+from machinery import model as models
 from helpers import (QUESTIONS, ROOT, copy_run, final_weights, make_tiny_model, rows, tiny_argv,
                      without_timing, write_bench)
 
@@ -21,17 +20,20 @@ LAUNCHED = """import sys
 sys.path.insert(0, {root!r})
 from pathlib import Path
 import torch.distributed as dist
-from machinery import domains, fsdp
+import dataclasses
 import t3rl
-domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
-t3rl.machinery.runs.finish_run = lambda run_dir: None  # a test cuts the run back to it
-t3rl.build_verifier = lambda cfg, device: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
+import verifier
+from machinery import runs
+verifier.MATH = dataclasses.replace(verifier.MATH, extract=lambda text, problem: str(len(text) % 3))
+runs.finish_run = lambda run_dir: None  # a test cuts the run back to it
+t3rl.build_verifier = lambda cfg, device, **kw: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
 real_step, seen = t3rl.grpo_step, set()
 
 
 def recorded(model, *args, **kwargs):  # what the update trains: sharded or not, and how much is here
-    local = sum((p.to_local() if fsdp.is_sharded(model) else p).numel() for p in model.parameters())
-    seen.add(f"sharded {{fsdp.is_sharded(model)}}, {{local}} of {{sum(p.numel() for p in model.parameters())}}")
+    sharded = any(hasattr(p, "to_local") for p in model.parameters())  # DTensor shards
+    local = sum((p.to_local() if sharded else p).numel() for p in model.parameters())
+    seen.add(f"sharded {{sharded}}, {{local}} of {{sum(p.numel() for p in model.parameters())}}")
     return real_step(model, *args, **kwargs)
 
 
@@ -162,14 +164,14 @@ def test_two_processes_under_fsdp_train_as_ddp_resume_exactly_and_save_a_model_f
 def plan_counts(batch, settings, processes, lockstep):
     """Each process's (micro-batches, their weights) per mini-batch."""
     advantages = torch.tensor([1.0, -1.0, 0.5] * (len(batch.rewards) // 3))
-    plans = [batches.plan(batch, advantages, settings, type("A", (), {"process_index": rank, "num_processes": processes}),
+    plans = [plan_batches(batch, advantages, settings, type("A", (), {"process_index": rank, "num_processes": processes}),
                           lockstep=lockstep) for rank in range(processes)]
     return [[[b.weight for b in mini] for mini in p] for p in plans]
 
 
 def test_lockstep_gives_every_process_as_many_micro_batches_at_the_same_weights():
     batch = Rollouts([[1, 2]] * 6, [[3], [4, 5], [6], [7, 8, 9], [1], [2]], [1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
-    settings = GRPOSettings(group_size=3, mini_batch_groups=1, micro_batch_rollouts=1)
+    settings = Config(n_train=3, mini_batch_questions=1, micro_batch_rollouts=1, loss_agg="dapo")
     free, lockstep = (plan_counts(batch, settings, 2, lock) for lock in (False, True))
     assert [[len(mini) for mini in p] for p in free] == [[2, 2], [1, 1]]
     assert [[len(mini) for mini in p] for p in lockstep] == [[2, 2], [2, 2]]
@@ -192,27 +194,20 @@ def test_parallel_fsdp_is_asked_on_the_command_line_or_by_accelerates_config(tin
         parse_config([*argv, "--parallel", "ddp"])
 
 
-def test_the_gpu_memory_check_counts_the_shards_and_the_sampling_copy(monkeypatch):
-    """Qwen3-4B (4,022,468,096 parameters) beside both engines at 0.3 of an 80 GiB GPU: DDP's 16
-    bytes a parameter do not fit, FSDP's shards on 8 processes do (the copy in CPU memory under vLLM);
-    with the kv sampler the bfloat16 copy is on the GPU."""
+def test_the_gpu_memory_check_counts_the_shards(monkeypatch):
+    """Qwen3-4B (4,022,468,096 parameters) beside both engines at 0.3 of an 80 GiB GPU: DDP's 16 bytes a
+    parameter do not fit, FSDP's shards on 8 processes do."""
     import types
-    import config
-    import machinery
-    from machinery import engine
-    monkeypatch.setattr(engine.SETTINGS, "gpu_memory_utilization", 0.3)
-    monkeypatch.setattr(machinery.options, "has_gpu", lambda: True)
+
+    from extensions import engine
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=80 * 2**30))
     policy = types.SimpleNamespace(parameters=lambda: [torch.empty(1).expand(4_022_468_096)])
     lines = []
     accelerator = types.SimpleNamespace(device=torch.device("cuda"), num_processes=8, print=lines.append)
     with pytest.raises(OptionError, match=r"trainer 59.9 GiB, -27.9 GiB left: does not fit"):
-        machinery.loop.check_gpu_memory(config.Config(backend="vllm", sample_dtype="bfloat16"), policy, accelerator)
-    machinery.loop.check_gpu_memory(config.Config(backend="vllm", sample_dtype="bfloat16", parallel="fsdp"), policy,
-                                    accelerator)
-    machinery.loop.check_gpu_memory(config.Config(backend="kv", verifier_backend="vllm", sample_dtype="bfloat16",
-                                                  parallel="fsdp"), policy, accelerator)
-    assert [line.split(": ", 1)[1] for line in lines] == [
-        "policy's engine 24.0 GiB (asleep during the update), verifier's engine 24.0 GiB, trainer 7.5 GiB, 24.5 GiB left",
-        "verifier's engine 24.0 GiB, trainer 15.0 GiB, 41.0 GiB left"]
+        engine.check_gpu_memory(policy, True, "ddp", accelerator)
+    engine.check_gpu_memory(policy, True, "fsdp", accelerator)
+    assert lines == ["[t3rl] GPU memory 80.0 GiB: policy's engine 24.0 GiB (asleep during the update), "
+                     "verifier's engine 24.0 GiB, trainer 7.5 GiB, 24.5 GiB left"]

@@ -1,7 +1,7 @@
 """The GPU path's decisions, shown on a CPU: the precision whatever accelerate's config asks,
-bfloat16 without emulation, the engines' sleep mode and memory shares, the sampler's budget beside
-PyTorch's cache, --study under a launcher, Slurm's cores for srun. launch/device-check/run.sh runs the
-path itself on a GPU."""
+bfloat16 without emulation, the engines' sleep mode and memory shares, the fast sampler's budget
+beside PyTorch's cache, the study under a launcher, Slurm's cores for srun. launch/device-check/run.sh
+runs the path itself on a GPU."""
 import os
 import subprocess
 import sys
@@ -13,15 +13,12 @@ import torch
 from accelerate.state import AcceleratorState
 
 import config
-from machinery import options
-from machinery.options import parse_config
-from machinery import engine
 import grpo
-from machinery import runs
-import sampler
-import machinery
 import t3rl
+from config import parse_config
+from extensions import engine, kv_fast, study
 from helpers import QUESTIONS, ROOT, make_tiny_model, rows, tiny_argv, write_bench
+from machinery import runs
 
 GIB = 1 << 30
 PAPER_POLICY = 1_543_714_304  # parameters of Qwen2.5-Math-1.5B
@@ -33,16 +30,11 @@ def test_bfloat16_where_the_gpu_runs_it_natively_and_float32_where_emulated(monk
     yes; asked without it, t3rl samples and updates in float32 there, and says so."""
     monkeypatch.setattr(torch.cuda, "is_bf16_supported",
                         lambda including_emulation=True: native or including_emulation)
-    monkeypatch.setattr(options, "has_gpu", lambda: True)
     cuda = torch.device("cuda")
-    cfg = config.Config()  # --sample-dtype auto, --bf16
-    assert machinery.update.bf16_supported(cuda) is native
-    assert options.sample_dtype(cfg) == (torch.bfloat16 if native else torch.float32)
-    assert machinery.optim.grpo_settings(cfg, cuda).bf16 is native  # the update's autocast
-    cfg.sample_dtype = str(options.sample_dtype(cfg)).removeprefix("torch.")  # as a new run fixes it
-    expected = [] if native else ["this GPU has no native bfloat16: the update runs in float32, "
-                                  "sampling in float32"]
-    assert runs.precision_notes(cfg, cuda, "no") == expected
+    cfg = config.Config()  # --sample-dtype auto
+    assert grpo.bf16_supported(cuda) is native  # the update's autocast
+    runs.settle(cfg, gpu=True)  # as a new run fixes it
+    assert cfg.sample_dtype == ("bfloat16" if native else "float32")
 
 
 @pytest.fixture()
@@ -63,20 +55,20 @@ def test_the_precision_is_t3rls_whatever_accelerates_config_asks(tiny_dir, tmp_p
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
     built = []
 
-    class Recorded(machinery.loop.Accelerator):
+    class Recorded(runs.Accelerator):
         def __init__(self, **kwargs):
             super().__init__(**kwargs)
             built.append(self)
-    monkeypatch.setattr(machinery.loop, "Accelerator", Recorded)
-    argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=1, eval_samples=0, verify=False)
+    monkeypatch.setattr(runs, "Accelerator", Recorded)
+    argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=1, eval_samples=0, verifier_model="none")
     run = t3rl.train(parse_config(argv))
     assert [r["kind"] for r in rows(run, "metrics.jsonl")] == ["eval", "train", "eval"]
     [accelerator] = built
     assert accelerator.mixed_precision == "no"
     assert not accelerator.native_amp and accelerator.scaler is None  # no autocast, no GradScaler
     assert ("[t3rl] accelerate's config asks for mixed precision bf16; t3rl keeps it off and sets "
-            "its own: bfloat16 autocast in the update where the hardware has it (--no-bf16: none), "
-            "sampling in bfloat16 (--sample-dtype)") in capsys.readouterr().err.splitlines()
+            "its own: bfloat16 autocast in the update where the hardware has it, sampling in "
+            "bfloat16") in capsys.readouterr().err.splitlines()
 
 
 def test_the_sampler_budgets_the_gpus_free_memory_and_pytorchs_unused_cache(monkeypatch):
@@ -84,7 +76,7 @@ def test_the_sampler_budgets_the_gpus_free_memory_and_pytorchs_unused_cache(monk
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GIB, 80 * GIB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 20 * GIB)
-    assert machinery.kv_fast._default_budget(torch.device("cuda")) == (10 + 30 - 20) * GIB // 2
+    assert kv_fast.free_memory(torch.device("cuda")) == (10 + 30 - 20) * GIB
 
 
 class FakeLLM:
@@ -112,7 +104,6 @@ def fake_gpu_engines(monkeypatch):
     """Engines built on a pretend GPU, with FakeLLM for vllm.LLM; the calls it records."""
     FakeLLM.calls = []
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(LLM=FakeLLM))
-    monkeypatch.setattr(engine, "vllm_installed", lambda: True)
     monkeypatch.setattr(engine, "_ENGINES", weakref.WeakKeyDictionary())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     emptied = ("empty_cache", None)
@@ -125,13 +116,13 @@ def test_only_the_policys_engine_sleeps_and_wakes_after_empty_cache(tokenizer, f
     """vLLM's sleep mode allows one engine per process: the policy's sleeps during the update, the
     verifier's (its model never trains) runs without it; waking follows torch.cuda.empty_cache."""
     policy, verifier, other = (make_tiny_model(len(tokenizer), seed=s) for s in range(3))
-    served = engine.engine_for(policy, tokenizer, torch.bfloat16, sleeps=True)
-    checker = engine.engine_for(verifier, tokenizer, torch.bfloat16)
+    served = engine.start(policy, tokenizer, torch.bfloat16, sleeps=True)
+    checker = engine.start(verifier, tokenizer, torch.bfloat16, frozen=True)
     assert served.llm.kwargs["enable_sleep_mode"] and not checker.llm.kwargs["enable_sleep_mode"]
-    assert served.llm.kwargs["gpu_memory_utilization"] == engine.SETTINGS.gpu_memory_utilization
+    assert served.llm.kwargs["gpu_memory_utilization"] == engine.GPU_MEMORY_UTILIZATION
     with pytest.raises(engine.EngineUnavailable, match="one sleep-mode engine per process"):
-        engine.engine_for(other, tokenizer, torch.bfloat16, sleeps=True)
-    engine.sleep_engines()
+        engine.start(other, tokenizer, torch.bfloat16, sleeps=True)
+    engine.sleep()
     served.wake()
     checker.wake()
     assert fake_gpu_engines == [("sleep", True, 2), ("empty_cache", None), ("wake_up", True)]
@@ -142,11 +133,11 @@ def test_a_woken_engine_reloads_the_weights_even_when_no_update_changed_them(tok
     for the sync to overwrite them): after waking, the next sync loads them again although no optimizer
     step moved them (a step whose updates were all skipped), and a second sync does not."""
     policy = make_tiny_model(len(tokenizer))
-    served = engine.engine_for(policy, tokenizer, torch.bfloat16, sleeps=True)
+    served = engine.start(policy, tokenizer, torch.bfloat16, sleeps=True)
     tensors = len(policy.state_dict())
     served.sync(policy)
     served.sync(policy)
-    engine.sleep_engines()
+    engine.sleep()
     served.wake()
     served.sync(policy)
     served.sync(policy)
@@ -166,37 +157,35 @@ def test_an_engine_of_a_launched_process_joins_the_launcher(monkeypatch):
 def test_the_engines_shares_are_checked_against_the_gpus_memory_before_anything_starts(monkeypatch):
     """The paper's 1.5B policy (16 bytes a parameter in the trainer) and two engines at 0.3 of the
     GPU each: an 80 GiB GPU holds them, a 40 GiB one does not, and the line says what to change."""
-    monkeypatch.setattr(engine.SETTINGS, "gpu_memory_utilization", 0.3)
+    monkeypatch.setattr(engine, "GPU_MEMORY_UTILIZATION", 0.3)
     trainer = PAPER_POLICY * 16
     line, fits = engine.check_memory(80 * GIB, trainer, ["policy", "verifier"])
     assert fits and line == ("GPU memory 80.0 GiB: policy's engine 24.0 GiB (asleep during the "
                              "update), verifier's engine 24.0 GiB, trainer 23.0 GiB, 9.0 GiB left")
     line, fits = engine.check_memory(40 * GIB, trainer, ["policy", "verifier"])
     assert not fits and "\n" not in line
-    assert line.endswith("-7.0 GiB left: does not fit; lower --vllm-gpu-memory-utilization, pass "
-                         "--verifier-backend kv or pass --backend kv (the kv sampler fits itself "
-                         "into what is left)")
+    assert line.endswith("-7.0 GiB left: does not fit; pass --backend kv-fast (it fits itself into "
+                         "what is left)")
     assert engine.check_memory(40 * GIB, trainer, ["policy"])[1]
 
     # train's check, before any model goes to the GPU: both roles on engines, a 40 GiB GPU
-    monkeypatch.setattr(machinery.options, "has_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda device: types.SimpleNamespace(total_memory=40 * GIB))
     policy = types.SimpleNamespace(parameters=lambda: [torch.empty(1).expand(PAPER_POLICY)])
-    cfg = config.Config(backend="vllm")  # the verifier's backend follows the policy's
-    accelerator = types.SimpleNamespace(device=torch.device("cuda"))
-    with pytest.raises(config.OptionError, match="^GPU memory 40.0 GiB: .* does not fit; lower"):
-        machinery.loop.check_gpu_memory(cfg, policy, accelerator)
+    accelerator = types.SimpleNamespace(device=torch.device("cuda"), num_processes=1)
+    with pytest.raises(config.OptionError, match="^GPU memory 40.0 GiB: .* does not fit; pass"):
+        engine.check_gpu_memory(policy, True, "ddp", accelerator)
 
 
 def test_a_study_under_a_launcher_is_refused_in_one_line(tiny_dir, tmp_path, monkeypatch):
     """Every process of accelerate launch would sample the whole study on GPU 0 into one folder."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(machinery.study, "open_study", lambda cfg: pytest.fail("the study started"))
+    monkeypatch.setattr(study, "open_study", lambda cfg: pytest.fail("the study started"))
     with pytest.raises(SystemExit) as stop:
-        t3rl.main(tiny_argv(tiny_dir, tmp_path / "out", study=True))
-    assert stop.value.code == ("error: --study runs in one process (it never trains, nothing is "
-                               "split over processes): start it with python t3rl.py, not "
+        study.main(tiny_argv(tiny_dir, tmp_path / "out"))
+    assert stop.value.code == ("error: the study runs in one process (it never trains, nothing is "
+                               "split over processes): start it with python -m extensions.study, not "
                                "accelerate launch or torchrun")
 
 

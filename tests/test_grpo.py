@@ -5,21 +5,24 @@ import math
 import pytest
 import torch
 
+from config import Config
 from grpo import (
-    GRPOSettings,
+    DUAL_CLIP,
     Rollouts,
+    cosine_schedule,
     group_advantages,
     grpo_step,
+    make_optimization,
+    micro_batches,
+    pad_batch,
     policy_loss,
 )
-from machinery.batches import micro_batches, pad_batch
-from machinery.optim import cosine_schedule, make_optimizer
-from machinery.logprobs import token_logprobs
 from helpers import (
     make_tiny_model,
     small_vocab_model,
 )
-from sampler import generate
+from machinery.logprobs import token_logprobs
+from sampler import Sampling, generate
 
 GRPO_PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
 
@@ -27,16 +30,24 @@ GRPO_PROMPTS = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
 COMPLETIONS = [[11, 12], [13, 14, 15, 16], [17], [18, 19, 20]]
 
 
+def settings(n_train, **options):
+    """The Config fields grpo_step reads: M = n_train, one AdamW step for the whole batch, dapo over
+    micro-batches of up to 4096 padded tokens, log-probs at T = 1."""
+    return Config(**{"n_train": n_train, "mini_batch_questions": 0, "loss_agg": "dapo", "temperature": 1.0,
+                     "micro_batch_tokens": 4096, "micro_batch_rollouts": 0, "grad_checkpointing": False,
+                     "max_new_tokens": 4, **options})
+
+
+def optimizer_for(model, lr, total_steps=10):
+    """AdamW and its schedule as a run makes them (no warmup below 34 steps)."""
+    return make_optimization(model, Config(lr=lr), total_steps)
+
+
 def test_group_advantages_standardise_within_each_group():
     advantages = group_advantages([1, 0, 0, 1, 1, 1, 1, 0], group_size=4)
     half = 0.5 / math.sqrt(1 / 3)  # group 1: mean 0.5, unbiased std sqrt(1/3)
     expected = [half, -half, -half, half, 0.5, 0.5, 0.5, -1.5]  # group 2: mean 0.75, std 0.5
     torch.testing.assert_close(advantages, torch.tensor(expected), atol=1e-5, rtol=0)
-
-
-def test_group_advantages_unscaled_only_centre():
-    advantages = group_advantages([1, 0, 0, 1, 1, 1, 1, 0], group_size=4, scale=False)
-    torch.testing.assert_close(advantages, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75]))
 
 
 def test_group_advantages_of_tied_group_are_exactly_zero():
@@ -162,7 +173,7 @@ def test_token_logprobs_at_the_sampling_temperature_are_the_samplers_own():
     computes at T; at T = 1 it is not (the test can tell them apart)."""
     model = small_vocab_model()
     prompts = [[3, 5, 7], [11, 13]]
-    groups = generate(model, None, prompts, n=3, max_new_tokens=8, temperature=0.6, top_p=1.0, seed=0)
+    groups = generate(model, None, prompts, 3, Sampling(8, 0.6, 1.0), seed=0)
     completions = [c for group in groups for c in group]
     batch = pad_batch([c.prompt_ids for c in completions], [c.token_ids for c in completions])
     sampled = torch.tensor([c.logprob for c in completions])
@@ -194,7 +205,7 @@ def test_micro_batches_give_the_full_batch_update(tiny_model, agg):
         before = [p.detach().clone() for p in model.parameters()]
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         grpo_step(model, optimizer, cosine_schedule(optimizer, 1), Rollouts(GRPO_PROMPTS, COMPLETIONS, rewards),
-                  GRPOSettings(2, agg=agg, norm_len=4, token_budget=token_budget, max_grad_norm=math.inf, bf16=False))
+                  settings(2, loss_agg=agg, max_new_tokens=4, micro_batch_tokens=token_budget), bf16=False)
         deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
     assert deltas[0].abs().max() > 0
     torch.testing.assert_close(deltas[0], deltas[1], atol=1e-5, rtol=1e-3)
@@ -209,8 +220,8 @@ def test_verl_token_mean_weights_each_micro_batch_by_its_rollouts(tiny_model):
         before = [p.detach().clone() for p in model.parameters()]
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
         grpo_step(model, optimizer, cosine_schedule(optimizer, 1), Rollouts(GRPO_PROMPTS, COMPLETIONS,
-                  [1.0, 0.0, 0.0, 1.0]), GRPOSettings(2, agg=agg, token_budget=token_budget,
-                                                       max_grad_norm=math.inf, bf16=False))
+                  [1.0, 0.0, 0.0, 1.0]), settings(2, loss_agg=agg, micro_batch_tokens=token_budget),
+                  bf16=False)
         return torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     alone, together = delta("token-mean", 4), delta("token-mean", 10_000)
     torch.testing.assert_close(alone, delta("seq-mean-token-mean", 10_000), atol=1e-5, rtol=1e-3)
@@ -245,7 +256,7 @@ def test_each_aggregation_computes_its_sources_value(tiny_model, agg):
     optimizer = torch.optim.SGD(tiny_model.parameters(), lr=0.0)
     metrics = grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 1),
                         Rollouts(GRPO_PROMPTS, COMPLETIONS, rewards),
-                        GRPOSettings(4, agg=agg, norm_len=max_len, micro_batch_rollouts=2, bf16=False))
+                        settings(4, loss_agg=agg, max_new_tokens=max_len, micro_batch_rollouts=2), bf16=False)
     advantages = group_advantages(rewards, 4).tolist()
     expected = _source_loss(agg, [len(c) for c in COMPLETIONS], advantages, 2, max_len)
     assert abs(expected) > 0.01 and metrics["loss"] == pytest.approx(expected, rel=1e-5)
@@ -258,30 +269,29 @@ def test_micro_batches_of_a_fixed_size_take_the_rollouts_in_order_whatever_their
 
 
 def test_one_mini_batch_is_one_optimizer_step_whose_clip_never_binds(tiny_model):
-    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
-    scheduler = cosine_schedule(optimizer, 10)
+    optimizer, scheduler = optimizer_for(tiny_model, 1e-2, 10)
     metrics = grpo_step(tiny_model, optimizer, scheduler, Rollouts(GRPO_PROMPTS * 2, COMPLETIONS * 2,
-                        [1.0, 0.0, 0.0, 1.0] * 2), GRPOSettings(2, bf16=False))
+                        [1.0, 0.0, 0.0, 1.0] * 2), settings(2), bf16=False)
     assert metrics["optimizer_steps"] == 1 and scheduler.last_epoch == 1
     assert metrics["clip_frac"] == 0.0 and metrics["ratio"] == 1.0  # pi_theta is pi_old throughout
 
 
 def test_each_mini_batch_takes_an_optimizer_step_against_the_sampling_policy(tiny_model):
-    """Four groups, one per mini-batch: four optimizer (and scheduler) steps, and from the second on the
-    ratio is taken against the policy that sampled, fixed before the first step, so the clip binds."""
-    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
-    scheduler = cosine_schedule(optimizer, 10)
+    """Four groups, one per mini-batch: four optimizer steps (one step of the schedule: verl's), and from the
+    second on the ratio is taken against the policy that sampled, fixed before the first step, so the clip
+    binds."""
+    optimizer, scheduler = optimizer_for(tiny_model, 1e-2, 10)
     metrics = grpo_step(tiny_model, optimizer, scheduler, Rollouts(GRPO_PROMPTS * 2, COMPLETIONS * 2,
-                        [1.0, 0.0, 0.0, 1.0] * 2), GRPOSettings(2, mini_batch_groups=1, bf16=False))
-    assert metrics["optimizer_steps"] == 4 and scheduler.last_epoch == 4
+                        [1.0, 0.0, 0.0, 1.0] * 2), settings(2, mini_batch_questions=1), bf16=False)
+    assert metrics["optimizer_steps"] == 4 and scheduler.last_epoch == 1
     assert metrics["clip_frac"] > 0 and abs(metrics["ratio"] - 1) > 1e-3
 
 
 def test_float32_master_weights_keep_updates_below_bfloat16_resolution(tiny_model):
     norm = tiny_model.model.norm.weight  # initialised to exactly 1.0
-    optimizer = make_optimizer(tiny_model, lr=5e-7)
-    grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 10), Rollouts(GRPO_PROMPTS, COMPLETIONS,
-              [1.0, 0.0, 0.0, 1.0]), GRPOSettings(2, bf16=True))
+    optimizer, scheduler = optimizer_for(tiny_model, 5e-7)
+    grpo_step(tiny_model, optimizer, scheduler, Rollouts(GRPO_PROMPTS, COMPLETIONS,
+              [1.0, 0.0, 0.0, 1.0]), settings(2), bf16=True)
     moved = norm.detach() != 1.0
     assert moved.any()
     assert torch.equal(norm.detach()[moved].bfloat16(), torch.ones(int(moved.sum()), dtype=torch.bfloat16))
@@ -290,8 +300,7 @@ def test_float32_master_weights_keep_updates_below_bfloat16_resolution(tiny_mode
 def test_grpo_step_rewarding_a_token_raises_its_probability(tiny_model):
     chosen, prompt = 1234, [100, 101, 102]
     generator = torch.Generator().manual_seed(0)
-    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
-    scheduler = cosine_schedule(optimizer, total_steps=3)
+    optimizer, scheduler = optimizer_for(tiny_model, 1e-2, 3)
 
     def chosen_probability():
         with torch.no_grad():
@@ -304,17 +313,17 @@ def test_grpo_step_rewarding_a_token_raises_its_probability(tiny_model):
         rewards = [float(i % 2) for i in range(8)]  # half of each group contains the token and is rewarded
         for completion, reward in zip(completions, rewards):
             completion[0] = chosen if reward else completion[0]
-        grpo_step(tiny_model, optimizer, scheduler, Rollouts([prompt] * 8, completions, rewards), GRPOSettings(4))
+        grpo_step(tiny_model, optimizer, scheduler, Rollouts([prompt] * 8, completions, rewards), settings(4))
     assert chosen_probability() > 2 * before
 
 
 def test_grpo_step_runs_under_accelerate(tiny_model):
     from accelerate import Accelerator
     accelerator = Accelerator(cpu=True)
-    optimizer = make_optimizer(tiny_model, lr=1e-3)
+    optimizer, scheduler = optimizer_for(tiny_model, 1e-3)
     model, optimizer = accelerator.prepare(tiny_model, optimizer)
-    metrics = grpo_step(model, optimizer, cosine_schedule(optimizer, 10), Rollouts(GRPO_PROMPTS, COMPLETIONS,
-                        [1.0, 0.0, 0.0, 1.0]), GRPOSettings(2), accelerator=accelerator)
+    metrics = grpo_step(model, optimizer, scheduler, Rollouts(GRPO_PROMPTS, COMPLETIONS,
+                        [1.0, 0.0, 0.0, 1.0]), settings(2), accelerator=accelerator)
     assert metrics["grad_norm"] > 0 and metrics["response_tokens"] == 10
 
 
@@ -332,23 +341,13 @@ def test_cosine_schedule_warms_up_then_decays_to_zero():
 
 def test_dual_clip_caps_the_loss_of_a_negative_advantage_token():
     """verl's clip_ratio_c: with A < 0 a token whose ratio grew past c loses c |A|, not rho |A|, and gets no
-    gradient; with c = inf the plain clipped loss is back."""
+    gradient."""
     logp = torch.tensor([[math.log(5.0), math.log(2.0)]]).requires_grad_()
     mask, old, adv = torch.ones(1, 2), torch.zeros(1, 2), torch.tensor([-1.0])
-    loss, stats = policy_loss(logp, old, adv, mask, clip_ratio_c=3.0)
-    assert loss.item() == pytest.approx((3.0 + 2.0) / 2) and stats["clip_dual"].item() == 0.5
+    loss, stats = policy_loss(logp, old, adv, mask)
+    assert DUAL_CLIP == 3.0 and loss.item() == pytest.approx((3.0 + 2.0) / 2) and stats["clip_dual"].item() == 0.5
     loss.backward()
     assert logp.grad[0, 0] == 0 and logp.grad[0, 1] != 0
-    assert policy_loss(logp, old, adv, mask, clip_ratio_c=math.inf)[0].item() == pytest.approx((5.0 + 2.0) / 2)
-
-
-def test_clip_low_and_clip_high_are_separate_ranges():
-    """DAPO's clip-higher: eps_high 0.28 leaves a ratio of 1.25 with A > 0 its gradient; eps_low 0.2 still cuts
-    0.79 with A < 0."""
-    logp = torch.tensor([[1.25], [0.79]]).log().requires_grad_()
-    policy_loss(logp, torch.zeros(2, 1), torch.tensor([1.0, -1.0]), torch.ones(2, 1),
-                clip_low=0.2, clip_high=0.28)[0].backward()
-    assert logp.grad[0, 0] != 0 and logp.grad[1, 0] == 0
 
 
 def test_kl_term_is_verls_low_var_kl_capped_at_ten():
@@ -364,57 +363,32 @@ def test_a_step_whose_loss_is_not_finite_leaves_the_weights_and_is_counted(tiny_
     def nan_loss(*args, **kwargs):
         loss, stats = policy_loss(*args, **kwargs)
         return loss * float("nan"), stats
-    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
-    scheduler = cosine_schedule(optimizer, 10)
+    optimizer, scheduler = optimizer_for(tiny_model, 1e-2, 10)
     batch = Rollouts(GRPO_PROMPTS, COMPLETIONS, [1.0, 0.0, 0.0, 1.0])
     before = copy.deepcopy(tiny_model.state_dict())
     monkeypatch.setattr(grpo, "policy_loss", nan_loss)
-    metrics = grpo_step(tiny_model, optimizer, scheduler, batch, GRPOSettings(2, bf16=False))
+    metrics = grpo_step(tiny_model, optimizer, scheduler, batch, settings(2), bf16=False)
     assert metrics["skipped_steps"] == 1 and not math.isfinite(metrics["grad_norm"])
     assert all(torch.equal(before[name], value) for name, value in tiny_model.state_dict().items())
     assert not optimizer.state and scheduler.last_epoch == 1  # no AdamW moment taken; the schedule keeps time
     monkeypatch.undo()
-    metrics = grpo_step(tiny_model, optimizer, scheduler, batch, GRPOSettings(2, bf16=False))
+    metrics = grpo_step(tiny_model, optimizer, scheduler, batch, settings(2), bf16=False)
     assert metrics["skipped_steps"] == 0
     assert not all(torch.equal(before[name], value) for name, value in tiny_model.state_dict().items())
 
 
-@pytest.mark.parametrize("unit, scheduler_steps", [("step", 1), ("optimizer-step", 4)])
-def test_the_schedule_steps_once_per_call_or_once_per_optimizer_step(tiny_model, unit, scheduler_steps):
+def test_the_schedule_steps_once_per_call_so_a_steps_adamw_steps_share_one_learning_rate(tiny_model):
     """verl steps the cosine once per training step, so that step's AdamW steps share one learning rate."""
-    optimizer = make_optimizer(tiny_model, lr=1e-2, weight_decay=0.0)
-    scheduler = cosine_schedule(optimizer, 8)
+    optimizer, scheduler = optimizer_for(tiny_model, 1e-2, 8)
     metrics = grpo_step(tiny_model, optimizer, scheduler, Rollouts(GRPO_PROMPTS * 2, COMPLETIONS * 2,
-                        [1.0, 0.0, 0.0, 1.0] * 2), GRPOSettings(2, mini_batch_groups=1, bf16=False, lr_schedule_unit=unit))
-    assert metrics["optimizer_steps"] == 4 and scheduler.last_epoch == scheduler_steps
-    shared = metrics["lr"] == pytest.approx(1e-2, rel=1e-6)  # the mean lr of the 4 AdamW steps is the peak
-    assert shared == (unit == "step")
-
-
-def test_truncated_importance_sampling_weights_each_tokens_gradient_by_min_ratio_cap():
-    """w = min(pi_old / mu, C) scales each token's policy-gradient term; the statistics report |log pi_old - log mu|."""
-    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, -0.7]]).requires_grad_()
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    advantages = torch.tensor([1.0, -1.0])
-    sampling = logp.detach() + torch.tensor([[0.5, -0.2, -2.0], [0.0, 1.0, 0.3]])   # log mu
-    plain = torch.autograd.grad(policy_loss(logp, logp.detach(), advantages, mask)[0], logp)[0]
-    loss, stats = policy_loss(logp, logp.detach(), advantages, mask, sampling_logp=sampling, is_cap=3.0)
-    corrected = torch.autograd.grad(loss, logp)[0]
-    weights = torch.exp(logp.detach() - sampling).clamp(max=3.0)                      # 2.0**... capped at 3 for -2
-    torch.testing.assert_close(corrected, plain * weights * mask)
-    gaps = (logp.detach() - sampling).abs()[mask.bool()]
-    assert stats["logprob_mismatch"] == pytest.approx(float(gaps.mean()))
-    assert stats["is_weight"] == pytest.approx(float(weights[mask.bool()].mean()))
-    # without the cap the sampler's log-probs are only measured: the loss is the plain one
-    unweighted, measured = policy_loss(logp, logp.detach(), advantages, mask, sampling_logp=sampling)
-    assert torch.equal(unweighted, policy_loss(logp, logp.detach(), advantages, mask)[0])
-    assert measured["is_weight"] == 1.0 and measured["logprob_mismatch"] == stats["logprob_mismatch"]
+                        [1.0, 0.0, 0.0, 1.0] * 2), settings(2, mini_batch_questions=1), bf16=False)
+    assert metrics["optimizer_steps"] == 4 and scheduler.last_epoch == 1
+    assert metrics["lr"] == pytest.approx(1e-2, rel=1e-6)  # the mean lr of the 4 AdamW steps is the peak
 
 
 def test_grpo_step_measures_the_samplers_logprobs_against_the_trainers(tiny_model):
-    """The sampler's token log-probs equal to the trainer's give a zero mismatch and unit weights; shifted by
-    0.1 each, a mismatch of 0.1."""
-    settings = GRPOSettings(2, bf16=False, temperature=1.0)
+    """The sampler's token log-probs equal to the trainer's give a zero mismatch; shifted by 0.1 each, a
+    mismatch of 0.1."""
     prompts, completions = GRPO_PROMPTS, COMPLETIONS
     batch = pad_batch(prompts, completions)
     with torch.no_grad():
@@ -422,13 +396,11 @@ def test_grpo_step_measures_the_samplers_logprobs_against_the_trainers(tiny_mode
     own = [trainer[i][batch[2][i]].tolist() for i in range(len(prompts))]
     for shift, expected in ((0.0, 0.0), (0.1, 0.1)):
         model = copy.deepcopy(tiny_model)
-        optimizer = make_optimizer(model, lr=1e-3)
+        optimizer, scheduler = optimizer_for(model, 1e-3, 1)
         sampled = [[lp - shift for lp in row] for row in own]
-        metrics = grpo_step(model, optimizer, cosine_schedule(optimizer, 1),
-                            Rollouts(prompts, completions, [1.0, 0.0, 0.0, 1.0], sampled),
-                            GRPOSettings(2, bf16=False, temperature=1.0, is_cap=2.0))
+        metrics = grpo_step(model, optimizer, scheduler,
+                            Rollouts(prompts, completions, [1.0, 0.0, 0.0, 1.0], sampled), settings(2), bf16=False)
         assert metrics["logprob_mismatch"] == pytest.approx(expected, abs=1e-5)
-        assert metrics["is_weight"] == pytest.approx(math.exp(shift), abs=1e-5)
     with pytest.raises(ValueError, match="one log-prob per completion token the policy sampled"):
-        grpo_step(tiny_model, optimizer, cosine_schedule(optimizer, 1),
-                  Rollouts(prompts, completions, [1.0, 0.0, 0.0, 1.0], [row[:-1] for row in own]), settings)
+        grpo_step(tiny_model, optimizer, scheduler,
+                  Rollouts(prompts, completions, [1.0, 0.0, 0.0, 1.0], [row[:-1] for row in own]), settings(2))

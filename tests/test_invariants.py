@@ -2,6 +2,7 @@
 verifying every rollout; N processes train as one; a resumed run equals an uninterrupted one; the
 hard-coding guard's corpora; bench/ imports the library, never the reverse."""
 import ast
+import dataclasses
 import os
 import re
 import socket
@@ -13,9 +14,10 @@ import pytest
 import torch
 
 import config
-from machinery.options import parse_config
-from machinery import domains
+import grpo
 import t3rl
+import verifier
+from config import parse_config
 from machinery.guard import hardcoded
 from helpers import (
     GUARD_PROBLEM,
@@ -64,7 +66,8 @@ def test_recomputation_is_not_hardcoded(code):
     assert not hardcoded(code, GUARD_PROBLEM, "1320")
 
 
-LIBRARY = sorted([p.stem for p in ROOT.glob("*.py")] + [f"machinery.{p.stem}" for p in ROOT.glob("machinery/*.py")])
+LIBRARY = sorted([p.stem for p in ROOT.glob("*.py")] + [f"{folder}.{p.stem}" for folder in ("machinery", "extensions")
+                                                         for p in ROOT.glob(f"{folder}/*.py")])
 
 
 def library_imports(name: str) -> set[str]:
@@ -86,6 +89,21 @@ def test_the_library_never_imports_bench_and_has_no_import_circle():
     def reaches(start, target, seen=()):
         return any(n == target or (n not in seen and reaches(n, target, (*seen, n))) for n in graph.get(start, ()))
     assert [name for name in LIBRARY if reaches(name, name)] == []
+
+
+def test_the_core_and_machinery_never_import_an_extension_and_t3rl_enters_each_at_one_call():
+    """extensions/ plug into the paper's core at one call each, in t3rl.py's functions; no other core or
+    machinery module imports one, and t3rl.py imports none at its top."""
+    core = [name for name in LIBRARY if not name.startswith("extensions.") and name != "t3rl"]
+    assert {name: sorted(n for n in library_imports(name) if n.startswith("extensions"))
+            for name in core} == {name: [] for name in core}
+    top = ast.parse((ROOT / "t3rl.py").read_text()).body
+    at_top = {alias.name for node in top if isinstance(node, ast.Import) for alias in node.names}
+    at_top |= {node.module for node in top if isinstance(node, ast.ImportFrom)}
+    assert not {name for name in at_top if name.startswith("extensions")}
+    assert {n for n in library_imports("t3rl") if n.startswith("extensions.")} >= {
+        "extensions.kv_fast", "extensions.engine", "extensions.programs", "extensions.budget",
+        "extensions.memory", "extensions.fsdp", "extensions.agent", "extensions.knk", "extensions.eval_cache"}
 
 
 def test_every_benchmark_runs_as_a_module():
@@ -126,7 +144,7 @@ def test_ground_truth_never_reaches_rewards_or_parameters(tiny_dir, tmp_path, mo
 def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)  # the two-call path, the one that could go wrong
+    monkeypatch.setattr("extensions.budget.LAZY_SECOND_CALL", 0)  # the two-call path, the one that could go wrong
     asked = {}
     runs = {}
     for lazy in (False, True):
@@ -134,7 +152,7 @@ def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, t
             asked[lazy] = asked.get(lazy, 0) + len(prompts)
             return scripted_verifier(prompts)
         monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: counting)
-        argv = tiny_argv(tiny_dir, tmp_path / f"lazy-{lazy}", n_votes=6, max_steps=2, verify_budget=0, lazy_verify=lazy,
+        argv = tiny_argv(tiny_dir, tmp_path / f"lazy-{lazy}", n_votes=6, max_steps=2, seed=2, verify_budget=0, lazy_verify=lazy,
                           top_p=0.95)  # draws where laziness leaves verdicts to skip
         runs[lazy] = t3rl.train(parse_config(argv))
     full, lazy = (rows(runs[k], "rollouts.jsonl") for k in (False, True))
@@ -151,7 +169,8 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
     the verdict memory has classes two episodes agreed on to resume with."""
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    argv = lambda out: tiny_argv(tiny_dir, tmp_path / out, max_steps=6, episodes=3, eval_every=1)  # noqa: E731
+    argv = lambda out: tiny_argv(tiny_dir, tmp_path / out, max_steps=6, episodes=3, eval_every=1,  # noqa: E731
+                                 verdict_memory=True)
     straight = t3rl.train(parse_config(argv("a")))
 
     with interrupted_at_update(monkeypatch, 4), pytest.raises(SystemExit) as stop:
@@ -165,7 +184,7 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
     assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
     assert rows(resumed, "evaluations.jsonl") == rows(straight, "evaluations.jsonl")
     assert [r["step"] for r in rows(resumed, "evaluations.jsonl")] == [s for s in range(7) for _ in QUESTIONS]
-    # the verdict memory (on by default) resumes too: the third episode reuses what the first two agreed on
+    # the verdict memory resumes too: the third episode reuses what the first two agreed on
     assert rows(resumed, "verdicts.jsonl") == rows(straight, "verdicts.jsonl")
     remembered = sum(r["remembered"] for r in rows(straight, "rollouts.jsonl") if r["step"] == 4)
     step_4 = next(r for r in rows(straight, "metrics.jsonl") if r.get("step") == 4 and r["kind"] == "train")
@@ -177,15 +196,15 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
 def test_a_resumed_run_writes_the_programs_an_uninterrupted_one_writes(tiny_dir, tmp_path, monkeypatch):
     """A model verifier (the tiny policy verifying itself, sampling at T 0.6) seeds each program from what it
     verifies, so the steps a resumed run redoes get the same programs, verdicts and weights."""
-    monkeypatch.setattr(domains, "extract_answer", fake_answer)
+    monkeypatch.setattr(verifier, "MATH", dataclasses.replace(verifier.MATH, extract=lambda text, p: fake_answer(text)))
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    replies, real_verifier = [], t3rl.model_verifier
+    replies, real_verifier = [], verifier.model_verifier
 
     def recording_verifier(*args, **kwargs):
         verify = real_verifier(*args, **kwargs)
         return lambda prompts: [replies.append((p.user, r.text)) or r for p, r in zip(prompts, verify(prompts))]
-    monkeypatch.setattr(t3rl, "model_verifier", recording_verifier)
+    monkeypatch.setattr(verifier, "model_verifier", recording_verifier)
     argv = dict(max_steps=3, verify_budget=0, lazy_verify=False, top_p=0.95)
     straight = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "a", **argv)))
     written, replies[:] = set(replies), []
@@ -202,10 +221,11 @@ def test_a_resumed_run_writes_the_programs_an_uninterrupted_one_writes(tiny_dir,
 
 SIGTERMED = """import os, signal, sys
 sys.path.insert(0, {root!r})
-from machinery import domains
+import dataclasses
 import t3rl
-domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
-t3rl.build_verifier = lambda cfg, device: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
+import verifier
+verifier.MATH = dataclasses.replace(verifier.MATH, extract=lambda text, problem: str(len(text) % 3))
+t3rl.build_verifier = lambda cfg, device, **kw: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
 real_step, calls = t3rl.grpo_step, []
 
 
@@ -264,7 +284,8 @@ def test_slurm_script_launches_one_run_over_two_nodes(tiny_dir, tmp_path):
            "SLURM_SUBMIT_DIR": str(ROOT), "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_NNODES": "2",
            "SLURM_GPUS_ON_NODE": "1", "MAIN_PORT": str(free_port()), "T3RL_DATA_DIR": str(tmp_path / "data"),
            "OMP_NUM_THREADS": "1"}
-    argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=1, eval_samples=0, verify=False, report_to="tensorboard")
+    argv = tiny_argv(tiny_dir, tmp_path / "out", max_steps=1, eval_samples=0, verifier_model="none",
+                     report_to="tensorboard")
     done = subprocess.run(["bash", str(ROOT / "launch" / "slurm.sbatch"), *argv], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -278,10 +299,13 @@ def test_slurm_script_launches_one_run_over_two_nodes(tiny_dir, tmp_path):
 LAUNCHED = """import sys
 sys.path.insert(0, {root!r})
 import torch.distributed as dist
-from machinery import domains
+import grpo
+grpo.bf16_supported = lambda device: False  # float32 updates: equal whatever the micro-batches hold
+import dataclasses
 import t3rl
-domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
-t3rl.build_verifier = lambda cfg, device: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
+import verifier
+verifier.MATH = dataclasses.replace(verifier.MATH, extract=lambda text, problem: str(len(text) % 3))
+t3rl.build_verifier = lambda cfg, device, **kw: (lambda prompts: ["```python\\nprint(1 + 1)\\n```" for _ in prompts])
 t3rl.main()
 print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}} done")
 """
@@ -306,6 +330,9 @@ def train_like_one(model_dir, tmp_path, monkeypatch, processes, questions, **opt
     """Train with `processes` real processes (torchrun, gloo) and in this one process; both run folders."""
     write_bench(tmp_path / "data", questions)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    # float32 updates: bfloat16 autocast rounds alike only for the same micro-batches, and the processes cut them
+    # differently
+    monkeypatch.setattr(grpo, "bf16_supported", lambda device: False)
     options = dict(sample_dtype="float32", **options)
     one = t3rl.train(parse_config(tiny_argv(model_dir, tmp_path / "one", **options)))
     script = tmp_path / "launched.py"
@@ -348,11 +375,11 @@ def test_three_processes_on_steps_of_two_questions_train_like_one(sharp_dir, tmp
     assert any(abs(r["grpo/ratio"] - 1) > 1e-4 for r in train_rows)
 
 
-def test_four_processes_on_a_benchmark_not_a_multiple_of_the_step_train_like_one(sharp_dir, tmp_path, monkeypatch,
-                                                                                  patched):
-    """3 questions in steps of 2: the last step has one question for four processes, and is kept (--no-drop-last)."""
-    one, many = train_like_one(sharp_dir, tmp_path, monkeypatch, 4, QUESTIONS[:3], episodes=1, max_steps=0,
-                               eval_samples=0, verify=False, drop_last=False)
+def test_four_processes_on_steps_of_one_question_train_like_one(sharp_dir, tmp_path, monkeypatch, patched):
+    """Steps of one question for four processes: three of them hold no rollout in each step and still join
+    every collective."""
+    one, many = train_like_one(sharp_dir, tmp_path, monkeypatch, 4, QUESTIONS[:2], episodes=1, max_steps=0,
+                               questions_per_step=1, eval_samples=0, verifier_model="none")
     assert_trained_alike(one, many)
     train_rows = [r for r in rows(many, "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["questions"] for r in train_rows] == [2, 1]
+    assert [r["questions"] for r in train_rows] == [1, 1]

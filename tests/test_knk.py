@@ -7,22 +7,23 @@ import sys
 import pytest
 
 import config
-from machinery.options import parse_config
-from machinery import domains
-from machinery import knk
 import t3rl
+import verifier
+from config import parse_config
+from extensions import knk
 from helpers import (
     ROOT,
     ScriptedVerifier,
     rows,
     tiny_argv,
+    verify_batch,
 )
 from sandbox import SandboxPool
 from verifier import (
     VERIFIER_SYSTEM,
+    ToVerify,
     model_verifier,
     verifier_prompt,
-    verify_batch,
 )
 from voting import weighted_vote
 
@@ -41,7 +42,7 @@ def flip_one(answer, who=0):
 
 def test_knk_set_regenerates_byte_for_byte(tmp_path):
     out = tmp_path / "knk.jsonl"
-    done = subprocess.run([sys.executable, "-m", "machinery.knk", "--generate", "--out", str(out)], cwd=ROOT, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "extensions.knk", "--generate", "--out", str(out)], cwd=ROOT, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
     assert out.read_bytes() == (ROOT / "data" / "knk.jsonl").read_bytes()
@@ -137,7 +138,7 @@ def asserted_smt(answer):
 def verify_knk(completions, answers, pool, record=KNK_4):
     scripted = ScriptedVerifier(*completions)
     results = verify_batch([record["problem"]] * len(answers), ["\\boxed{...}"] * len(answers), answers, scripted,
-                           domains.DOMAINS["knk"], pool, programs=1)
+                           knk.KNK, pool)
     assert all(p.system == knk.KNK_SYSTEM and record["problem"] in p.user for p in scripted.batches[0])
     return results
 
@@ -189,9 +190,9 @@ def test_knk_verifier_chat_gets_the_knk_system_prompt(tiny_model, tokenizer, mon
     import sampler
     seen = []
     real = sampler.generate
-    monkeypatch.setattr(sampler, "generate", lambda model, tok, prompts, **kw: seen.extend(prompts) or
-                        real(model, tok, prompts, **kw))
-    prompt = verifier_prompt(KNK_4["problem"], "\\boxed{Zoey: knight}", domains.DOMAINS["knk"])
+    monkeypatch.setattr(sampler, "generate", lambda model, tok, prompts, *a, **kw: seen.extend(prompts) or
+                        real(model, tok, prompts, *a, **kw))
+    prompt = verifier_prompt(ToVerify(KNK_4["problem"], "\\boxed{Zoey: knight}", None, "q0", None), knk.KNK)
     model_verifier(tiny_model, tokenizer, max_new_tokens=1, seed=0)([prompt])
     assert knk.KNK_SYSTEM in seen[0] and VERIFIER_SYSTEM not in seen[0] and KNK_4["problem"] in seen[0]
 
@@ -208,15 +209,15 @@ def test_knk_training_step_votes_with_solver_verified_rollouts(tiny_dir, tmp_pat
     def encoding_verifier(prompts):
         return [smt_block(reference_smt(next(r for p, r in by_problem.items() if p in prompt.user))) for prompt in prompts]
 
-    policy_prompts, real_generate = [], t3rl.generate
-    monkeypatch.setattr(t3rl, "generate", lambda model, tok, prompts, **kw: policy_prompts.extend(prompts) or
-                        real_generate(model, tok, prompts, **kw))
-    monkeypatch.setitem(domains.DOMAINS, "knk", dataclasses.replace(domains.DOMAINS["knk"], extract=scripted_answer))
-    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device: encoding_verifier)
+    policy_prompts, real_generator = [], t3rl.generator
+    monkeypatch.setattr(t3rl, "generator", lambda cfg: lambda model, tok, prompts, *a, **kw: (
+        policy_prompts.extend(prompts) or real_generator(cfg)(model, tok, prompts, *a, **kw)))
+    monkeypatch.setattr(knk, "KNK", dataclasses.replace(knk.KNK, extract=scripted_answer))
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: encoding_verifier)
     monkeypatch.delenv("T3RL_DATA_DIR", raising=False)  # data/knk.jsonl, the committed set
     run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path, bench="knk", limit=2, max_steps=1, eval_samples=0)))
     # the policy is asked for the assignment's form (else a small model boxes one word), in training and eval
-    assert policy_prompts and all(domains.KNK_INSTRUCTION in p and domains.MATH_INSTRUCTION not in p for p in policy_prompts)
+    assert policy_prompts and all(knk.KNK_INSTRUCTION in p and verifier.MATH.instruction not in p for p in policy_prompts)
     rollouts = rows(run, "rollouts.jsonl")
     assert len(rollouts) == 2 * 4 and {r["id"] for r in rollouts} == {"knk-000", "knk-001"}
     golds = {r["id"]: r["answer"] for r in KNK}

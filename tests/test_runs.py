@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import config
-from machinery import options
-from machinery.options import parse_config
-from machinery import runs
 import t3rl
+import verifier
+from config import parse_config
+from machinery import model as models
+from machinery import runs
 from helpers import (
     QUESTIONS,
     ROOT,
@@ -38,8 +39,8 @@ def test_run_folder_has_config_metrics_rollouts_checkpoint_and_plot(tiny_dir, tm
             super().__init__(*args, **kwargs)
             pools.append(self)
     monkeypatch.setattr(t3rl, "SandboxPool", RecordedPool)
-    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, sandbox_timeout=2.5)))
-    assert [pool.timeout for pool in pools] == [2.5]  # --sandbox-timeout reaches the pool
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2)))
+    assert [pool.timeout for pool in pools] == [verifier.SANDBOX_TIMEOUT]
     assert json.loads((run / "config.json").read_text())["n_votes"] == 4
     metrics = rows(run, "metrics.jsonl")
     assert [m["kind"] for m in metrics] == ["eval", "train", "train", "eval"]
@@ -123,7 +124,7 @@ def test_a_finished_run_keeps_its_final_model_and_drops_the_optimizer_state(tiny
     assert before == [4, 2]  # the step-2 checkpoint was the fallback until the run finished
     assert not (run / "checkpoint.old").exists() and not (run / "checkpoint" / "state.pt").exists()
     assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["model"]
-    final = t3rl.machinery.model.load_model(str(run / "checkpoint" / "model"))[0]
+    final = models.load_model(str(run / "checkpoint" / "model"))[0]
     assert torch.equal(final.model.embed_tokens.weight, final_weights(run)["model.embed_tokens.weight"])
 
 
@@ -134,11 +135,11 @@ def test_the_final_evaluation_runs_without_the_optimizer_state(tiny_dir, tmp_pat
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     held, log_evaluation = [], t3rl.log_evaluation
 
-    def recording(learner, records, step, log, final=False, coverage=None):
+    def recording(learner, records, step, log, coverage, final=False):
         moments = [s for s in learner.optimizer.state.values() if "exp_avg" in s]
         grads = [p.grad for p in learner.policy.parameters() if p.grad is not None]
         held.append((step, final, len(moments), len(grads)))
-        return log_evaluation(learner, records, step, log, final=final, coverage=coverage)
+        return log_evaluation(learner, records, step, log, coverage, final=final)
 
     monkeypatch.setattr(t3rl, "log_evaluation", recording)
     t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, eval_every=1)))
@@ -216,10 +217,11 @@ import torch
 import torch.distributed as dist
 from accelerate.state import AcceleratorState
 import config
-from machinery.options import parse_config
-from machinery import domains
+import dataclasses
+from config import parse_config
 import t3rl
-domains.extract_answer = lambda text: str(len(text) % 3)  # helpers.fake_answer
+import verifier
+verifier.MATH = dataclasses.replace(verifier.MATH, extract=lambda text, problem: str(len(text) % 3))
 rank = int(__import__("os").environ["RANK"])
 time.strftime = lambda fmt: f"2026120{{rank}}-101500"  # each process's clock, its own run name
 in_buckets, adamw_step = [], torch.optim.AdamW.step
@@ -252,7 +254,7 @@ def test_every_process_of_a_launched_run_shares_its_name_timeout_and_precision(t
     env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data"),
            "ACCELERATE_MIXED_PRECISION": "fp16"}
     argv = tiny_argv(tiny_dir, tmp_path / "out", run_name="", max_steps=1, eval_samples=0,
-                     verify=False)
+                     verifier_model="none")
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node=2", str(script), *argv],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)

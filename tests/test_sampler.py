@@ -1,13 +1,12 @@
-"""sampler.py: the kv backend against transformers, its sampling distribution, seeds, EOS, waves."""
+"""sampler.py: the hand-written KV-cache sampler against transformers' generate, seeds, EOS, arguments."""
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from helpers import SMALL_PROMPTS, make_tiny_model, sample, small_vocab_model, token_rows
 from machinery.logprobs import set_checkpointing
-from helpers import SMALL_PROMPTS, make_tiny_model, small_vocab_model, token_rows
-from machinery.kv_fast import cache_bytes_per_row, prefix_plan
-from sampler import generate, nucleus, sample_next
+from sampler import nucleus, sample_next
 
 PROMPTS = [[9707, 11, 1879, 0, 358, 1079, 264, 1614, 13], [785, 4226],
            [10061, 594, 1744, 3019, 553, 3019, 13]]
@@ -16,8 +15,8 @@ PROMPTS = [[9707, 11, 1879, 0, 358, 1079, 264, 1614, 13], [785, 4226],
 @pytest.mark.parametrize("tied", [True, False])
 def test_kv_matches_hf_greedy_on_tiny_model(tokenizer, tied):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=tied)
-    hf = generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=16, temperature=0, backend="hf")
-    kv = generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=16, temperature=0, backend="kv")
+    hf = sample(model, tokenizer, PROMPTS, n=2, max_new_tokens=16, temperature=0, backend="hf")
+    kv = sample(model, tokenizer, PROMPTS, n=2, max_new_tokens=16, temperature=0, backend="kv")
     assert token_rows(kv) == token_rows(hf)
 
 
@@ -38,8 +37,8 @@ def test_kv_matches_hf_greedy_on_a_tiny_llama(bias):
             elif name.endswith("bias"):
                 p.normal_()
     options = dict(n=1, max_new_tokens=12, temperature=0, ignore_eos=True)
-    hf = generate(model, None, SMALL_PROMPTS, backend="hf", **options)
-    kv = generate(model, None, SMALL_PROMPTS, backend="kv", **options)
+    hf = sample(model, None, SMALL_PROMPTS, backend="hf", **options)
+    kv = sample(model, None, SMALL_PROMPTS, backend="kv", **options)
     assert token_rows(kv) == token_rows(hf)
 
 
@@ -47,8 +46,8 @@ def test_kv_matches_hf_greedy_on_embedded_model(embedded_model):
     model, tokenizer = embedded_model
     prompts = ["def fibonacci(n):", "What is 12 * 13? Answer:",
                "<|im_start|>user\nWrite a haiku about the sea.<|im_end|>\n<|im_start|>assistant\n"]
-    hf = generate(model, tokenizer, prompts, n=1, max_new_tokens=16, temperature=0, backend="hf")
-    kv = generate(model, tokenizer, prompts, n=1, max_new_tokens=16, temperature=0, backend="kv")
+    hf = sample(model, tokenizer, prompts, n=1, max_new_tokens=16, temperature=0, backend="hf")
+    kv = sample(model, tokenizer, prompts, n=1, max_new_tokens=16, temperature=0, backend="kv")
     assert token_rows(kv) == token_rows(hf)
     assert [[c.finish_reason for c in g] for g in kv] == [[c.finish_reason for c in g] for g in hf]
 
@@ -81,7 +80,7 @@ def test_first_token_frequencies_match_the_models_softmax(temperature, top_p):
     draws = 6000
     with torch.no_grad():
         logits = model(torch.tensor([prompt])).logits[0, -1]
-    result = generate(model, None, [prompt], n=draws, max_new_tokens=1, temperature=temperature,
+    result = sample(model, None, [prompt], n=draws, max_new_tokens=1, temperature=temperature,
                       top_p=top_p, seed=0)
     counts = torch.bincount(torch.tensor([c.token_ids[0] for c in result[0]]),
                             minlength=len(logits)).double()
@@ -113,16 +112,16 @@ def test_greedy_sampling_takes_the_argmax():
 
 def test_same_seed_repeats_a_call():
     model = small_vocab_model()
-    first = generate(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=7)
-    again = generate(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=7)
-    other = generate(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=8)
+    first = sample(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=7)
+    again = sample(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=7)
+    other = sample(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=8)
     assert token_rows(first) == token_rows(again)
     assert token_rows(first) != token_rows(other)
 
 
 @pytest.mark.parametrize("seed", [7, [7, 8, 9]])
 def test_rows_of_one_prompt_differ(seed):
-    result = generate(small_vocab_model(), None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=seed,
+    result = sample(small_vocab_model(), None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=seed,
                       ignore_eos=True)
     for group in result:
         assert len({tuple(c.token_ids) for c in group}) == 4
@@ -131,87 +130,28 @@ def test_rows_of_one_prompt_differ(seed):
 # Per-prompt seeds give a prompt the same tokens in any company only where the forward pass gives
 # its rows the same logits in any batch: bfloat16 on CPU does; float32 on MKL does not (see
 # docs/sampler.md), hence dtype below.
-@pytest.mark.parametrize("backend,options", [("kv", dict(dtype=torch.bfloat16)), ("hf", {})])
+@pytest.mark.parametrize("backend,options", [("kv", dict(dtype=torch.bfloat16)), ("kv-fast", dict(dtype=torch.bfloat16)),
+                                             ("hf", {})])
 def test_a_prompts_samples_do_not_depend_on_the_prompts_sharing_its_call(tokenizer, backend,
                                                                          options):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
     longer = PROMPTS[2] + PROMPTS[0]  # shifts the first prompt's left padding
-    sample = dict(n=3, max_new_tokens=12, temperature=0.6, top_p=0.95, backend=backend, **options)
-    alone = generate(model, None, [PROMPTS[0]], seed=[11], **sample)
-    among = generate(model, None, [longer, PROMPTS[1], PROMPTS[0]], seed=[6, 5, 11], **sample)
+    options = dict(n=3, max_new_tokens=12, temperature=0.6, top_p=0.95, backend=backend, **options)
+    alone = sample(model, None, [PROMPTS[0]], seed=[11], **options)
+    among = sample(model, None, [longer, PROMPTS[1], PROMPTS[0]], seed=[6, 5, 11], **options)
     assert token_rows(among)[2] == token_rows(alone)[0]
     assert len({tuple(c.token_ids) for c in alone[0]}) == 3
 
 
-def test_samples_do_not_depend_on_waves_or_on_finished_rows_leaving_the_batch():
-    model = small_vocab_model()
-    # frequent tokens: rows finish at different steps
-    model.generation_config.eos_token_id = [14, 23]
-    sample = dict(n=4, max_new_tokens=10, seed=[3, 1, 2], dtype=torch.bfloat16)
-    whole = generate(model, None, SMALL_PROMPTS, **sample)
-    one_row = cache_bytes_per_row(model, max(map(len, SMALL_PROMPTS)) + 10, torch.bfloat16)
-    waves = generate(model, None, SMALL_PROMPTS, memory_budget=one_row, **sample)
-    assert token_rows(waves) == token_rows(whole)
-    lengths = [c.num_tokens for g in whole for c in g]
-    assert min(lengths) < max(lengths) == 10, ("no row left the batch early: the test would not "
-                                               "cover compaction")
-
-
-# Shared-prefix prefill runs a prompt's tokens after the start it shares with another prompt, in one
-# forward with the other prompts of its level: greedy tokens must be those of the prompt prefilled
-# alone, in its own call.
-SYSTEM = [151644, 8948, 198, 2610, 525, 264, 10950, 17847, 13, 151645, 198, 151644, 872,
-          198]  # a chat system turn
-
-
-def greedy_alone_and_together(model, prompts, dtype):
-    options = dict(n=2, max_new_tokens=12, temperature=0, ignore_eos=True, dtype=dtype)
-    alone = [token_rows(generate(model, None, [prompt], **options))[0] for prompt in prompts]
-    return alone, token_rows(generate(model, None, prompts, **options))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompts_sharing_nothing_prefilled_together_decode_as_alone(tokenizer, dtype):
-    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
-    # one forward for all three
-    assert [(step.shared, step.level) for step in prefix_plan(PROMPTS)] == [(0, 0)] * 3
-    alone, together = greedy_alone_and_together(model, PROMPTS, dtype)
-    assert together == alone
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompts_sharing_a_prefix_decode_as_alone(tokenizer, dtype):
-    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
-    prompts = [SYSTEM + p for p in PROMPTS] + [SYSTEM + PROMPTS[0][:5] + [40, 2]]
-    plan = prefix_plan(prompts)
-    # the system turn is prefilled once; the last prompt also shares the first's next 5 tokens (a
-    # second level)
-    assert sorted(step.shared for step in plan) == [0, len(SYSTEM), len(SYSTEM), len(SYSTEM) + 5]
-    assert max(step.level for step in plan) == 2
-    alone, together = greedy_alone_and_together(model, prompts, dtype)
-    assert together == alone
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_prompts_that_are_prefixes_of_each_other_decode_as_alone(tokenizer, dtype):
-    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
-    prompts = [SYSTEM + PROMPTS[0], SYSTEM, SYSTEM + PROMPTS[0] + PROMPTS[1], SYSTEM[:3]]
-    plan = prefix_plan(prompts)
-    # each longer prompt copies the whole of the next shorter one and prefills only what it adds
-    assert [step.shared for step in plan] == [len(SYSTEM), 3, len(SYSTEM + PROMPTS[0]), 0]
-    alone, together = greedy_alone_and_together(model, prompts, dtype)
-    assert together == alone
-
-
 def test_eos_ends_a_row_with_the_eos_token_and_others_run_to_length(tokenizer):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
-    free = generate(model, None, PROMPTS, n=2, max_new_tokens=12, temperature=0, ignore_eos=True)
+    free = sample(model, None, PROMPTS, n=2, max_new_tokens=12, temperature=0, ignore_eos=True)
     # the first prompt's 4th greedy token becomes the end-of-sequence token
     stop_token = free[0][0].token_ids[3]
     assert all(stop_token not in c.token_ids for g in free[1:] for c in g)
     model.generation_config.eos_token_id = stop_token
-    for backend in ("kv", "hf"):
-        result = generate(model, None, PROMPTS, n=2, max_new_tokens=12, temperature=0,
+    for backend in ("kv", "kv-fast", "hf"):
+        result = sample(model, None, PROMPTS, n=2, max_new_tokens=12, temperature=0,
                           backend=backend)
         first_stop = free[0][0].token_ids.index(stop_token) + 1
         for c in result[0]:
@@ -225,38 +165,22 @@ def test_eos_ends_a_row_with_the_eos_token_and_others_run_to_length(tokenizer):
 
 def test_an_eos_drawn_as_the_last_allowed_token_finishes_by_eos(tokenizer):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
-    free = generate(model, None, PROMPTS[:1], n=1, max_new_tokens=12, temperature=0,
+    free = sample(model, None, PROMPTS[:1], n=1, max_new_tokens=12, temperature=0,
                     ignore_eos=True)
     stop_token = free[0][0].token_ids[3]
     # the budget ends on the end-of-sequence token itself
     last = free[0][0].token_ids.index(stop_token) + 1
     model.generation_config.eos_token_id = stop_token
-    for backend in ("kv", "hf"):
-        c = generate(model, None, PROMPTS[:1], n=1, max_new_tokens=last, temperature=0,
+    for backend in ("kv", "kv-fast", "hf"):
+        c = sample(model, None, PROMPTS[:1], n=1, max_new_tokens=last, temperature=0,
                      backend=backend)[0][0]
         assert (c.finish_reason, c.token_ids) == ("eos", free[0][0].token_ids[:last]), backend
-
-
-def test_waves_split_by_memory_budget_give_the_same_tokens(tokenizer):
-    model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
-    whole = generate(model, tokenizer, PROMPTS, n=3, max_new_tokens=10, temperature=0)
-    # logits buffers plus ~1 row of this tiny model's cache
-    one_row_budget = 4 * len(tokenizer) * 4 + 60_000
-    waves = generate(model, tokenizer, PROMPTS, n=3, max_new_tokens=10, temperature=0,
-                     memory_budget=one_row_budget)
-    assert token_rows(waves) == token_rows(whole)
-
-
-def test_too_small_memory_budget_names_the_option(tokenizer):
-    model = make_tiny_model(len(tokenizer))
-    with pytest.raises(ValueError, match="memory_budget"):
-        generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=10, memory_budget=1000)
 
 
 def test_string_prompts_are_tokenised_without_special_tokens(tokenizer):
     model = make_tiny_model(len(tokenizer), tie_word_embeddings=False)
     prompt = "Solve 2 + 2."
-    completion = generate(model, tokenizer, [prompt], n=1, max_new_tokens=6, seed=0)[0][0]
+    completion = sample(model, tokenizer, [prompt], n=1, max_new_tokens=6, seed=0)[0][0]
     assert completion.prompt_ids == tokenizer(prompt, add_special_tokens=False).input_ids
     assert completion.text == tokenizer.decode(completion.token_ids, skip_special_tokens=True)
     assert completion.num_tokens == len(completion.token_ids) == 6
@@ -267,8 +191,8 @@ def test_generate_leaves_a_training_model_in_train_mode(tokenizer):
     set_checkpointing(model, True)
     model.train()
     eos = model.generation_config.eos_token_id
-    for backend in ("kv", "hf"):
-        generate(model, tokenizer, PROMPTS, n=2, max_new_tokens=4, backend=backend, ignore_eos=True)
+    for backend in ("kv", "kv-fast", "hf"):
+        sample(model, tokenizer, PROMPTS, n=2, max_new_tokens=4, backend=backend, ignore_eos=True)
         assert model.training and model.generation_config.eos_token_id == eos
 
 
@@ -277,9 +201,9 @@ def test_other_architectures_fall_back_to_hf(tokenizer, capsys):
                         eos_token_id=63)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config).eval()
-    kv = generate(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend="kv")
-    hf = generate(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend="hf")
-    assert "falling back to hf" in capsys.readouterr().err
+    kv = sample(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend="kv")
+    hf = sample(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend="hf")
+    assert "sampling with hf" in capsys.readouterr().err
     assert token_rows(kv) == token_rows(hf)
 
 
@@ -289,29 +213,12 @@ def test_other_architectures_fall_back_to_hf(tokenizer, capsys):
     (dict(top_p=0), "top_p"),
     (dict(temperature=-1), "temperature"),
     (dict(prompts="just a string"), "list"),
-    (dict(prompts=[[]]), "empty"),
+    (dict(prompts=[[]]), "at least one token"),
     (dict(seed=[1, 2]), "seed"),
 ])
 def test_bad_arguments_raise_a_clear_error(tokenizer, kwargs, match):
     args = dict(prompts=PROMPTS, n=2, max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=match):
-        generate(make_tiny_model(len(tokenizer)), tokenizer, **args)
+        sample(make_tiny_model(len(tokenizer)), tokenizer, **args)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_benchmarks_matmul_floor_runs_every_product_of_a_decode_step(tiny_model, dtype,
-                                                                         monkeypatch):
-    """bench.sampler's `matmuls ms` column: each of a step's products (qkv, o, gate_up, down per
-    layer, then the head) runs on `rows` inputs of its own width, whichever Linear the sampler
-    builds for this dtype."""
-    import bench.sampler
-    steps = []
-    monkeypatch.setattr(bench.sampler, "_rate",
-                        lambda step, device, seconds: steps.append(step()) or 1.0)
-    assert bench.sampler.matmul_seconds(tiny_model, 3, dtype, torch.device("cpu")) == 1.0
-    c = tiny_model.config
-    head = c.hidden_size // c.num_attention_heads
-    layer = [(c.num_attention_heads + 2 * c.num_key_value_heads) * head, c.hidden_size,
-             2 * c.intermediate_size, c.hidden_size]
-    assert [tuple(out.shape) for out in steps[0]] == [
-        (3, width) for width in layer * c.num_hidden_layers + [c.vocab_size]]

@@ -1,4 +1,4 @@
-"""study.py: the evidence study (verified vote vs majority on the same samples) and --replay."""
+"""extensions/study.py: the evidence study (verified vote vs majority on the same samples) and --replay."""
 import json
 import math
 import random
@@ -6,26 +6,24 @@ import random
 import pytest
 
 import config
-from machinery.options import parse_config
+import t3rl
+from config import parse_config
+from extensions import budget, study
+from helpers import QUESTIONS, rows, tiny_argv, write_bench
 from machinery import model as model_lib
 from machinery import runs
-from machinery import study
-import machinery
-import t3rl
-from machinery.domains import MATH
-from helpers import QUESTIONS, rows, tiny_argv, write_bench
+from verifier import MATH
 
 
 def test_replay_recomputes_labels_per_omega(tiny_dir, tmp_path, monkeypatch, patched, capsys):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lazy_verify=False,
-                                            verifier_programs=1)))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lazy_verify=False)))
     capsys.readouterr()
-    monkeypatch.setattr(machinery.model, "load_model", lambda *a, **k: pytest.fail("replay loaded a model"))
+    monkeypatch.setattr(model_lib, "load_model", lambda *a, **k: pytest.fail("replay loaded a model"))
     tables = []
-    for spelling in (["--replay", str(run)], [f"--replay={run}"]):  # one parser: both spellings are the replay mode
-        t3rl.main([*spelling, "--omega", "1", "5", "inf"])
+    for spelling in (["--replay", str(run)], [f"--replay={run}"]):  # both spellings are the replay mode
+        study.main([*spelling, "--omega", "1", "5", "inf"])
         tables.append(capsys.readouterr().out)
     assert tables[0] == tables[1]
     table = tables[0].splitlines()
@@ -55,11 +53,11 @@ def test_replay_re_votes_the_verdicts_the_run_voted_with(tiny_dir, tmp_path, mon
 
 
 def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny_dir, tmp_path, monkeypatch, patched):
-    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)  # as many skipped verdicts as laziness makes
+    monkeypatch.setattr(budget, "LAZY_SECOND_CALL", 0)  # as many skipped verdicts as laziness makes
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2, verifier_programs=1,
-                                                                   top_p=0.95)))  # draws that leave verdicts to skip
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", n_votes=6, max_steps=2, seed=2,
+                                            top_p=0.95)))  # draws that leave verdicts to skip
     assert "skipped" in {r["status"] for r in rows(run, "rollouts.jsonl")}
     assert [line.split()[0] for line in study.replay(run, [1.0, 5.0]).splitlines()[2:]] == ["1", "5"]
     with pytest.raises(runs.RunDirError, match=r"--omega 2 inf: the run verified lazily"):
@@ -128,37 +126,40 @@ def test_study_questions_are_level_stratified_and_seeded():
 
 
 def study_argv(tiny_dir, out_dir, **extra):
-    return tiny_argv(tiny_dir, out_dir, **{"study": True, "n_votes": 8, "max_new_tokens": 6, **extra})
+    return tiny_argv(tiny_dir, out_dir, **{"n_votes": 8, "max_new_tokens": 6, **extra})
+
+
+def study_cfg(argv):
+    return study.study_config(argv, gpu=False)
 
 
 def test_a_study_on_the_cpu_preset_verifies_every_rollout(tmp_path):
     """The cpu preset verifies one rollout per answer class, and only the classes that can change the vote, to
-    save training time; `python t3rl.py --study` on it must still verify all (it refused to start), and an
-    explicit --verify-budget is still refused."""
+    save training time; a study on it verifies them all, and an explicit --verify-budget is refused."""
     cpu = parse_config(["--preset", "cpu", "--out-dir", str(tmp_path)])
     assert (cpu.verify_budget, cpu.lazy_verify) == (1, True)
-    cfg = parse_config(["--preset", "cpu", "--study", "--out-dir", str(tmp_path)])
-    assert cfg.study and (cfg.verify_budget, cfg.lazy_verify) == (0, False)
-    explicit = parse_config(["--preset", "cpu", "--study", "--verify-budget", "1", "--out-dir", str(tmp_path)])
+    cfg = study_cfg(["--preset", "cpu", "--out-dir", str(tmp_path)])
+    assert (cfg.verify_budget, cfg.lazy_verify) == (0, False)
+    explicit = study_cfg(["--preset", "cpu", "--verify-budget", "1", "--out-dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="--verify-budget"):
-        machinery.study.run_study(explicit)
+        study.run_study(explicit)
 
 
 def test_a_study_samples_fewer_votes_than_training_keeps(tmp_path):
-    """A study never trains: `--study --n-votes 3` must start although the preset keeps 4 rollouts for training,
-    while a training run with 3 votes and 4 kept is still refused, and so is an explicit --n-train above them."""
-    cfg = parse_config(["--study", "--n-votes", "3", "--out-dir", str(tmp_path)])
-    assert cfg.study and cfg.n_votes == 3 and cfg.n_train <= 3
+    """A study never trains: `--n-votes 3` starts although the preset keeps 4 rollouts for training, while a
+    training run with 3 votes and 4 kept is refused, and so is an explicit --n-train above them."""
+    cfg = study_cfg(["--n-votes", "3", "--out-dir", str(tmp_path)])
+    assert cfg.n_votes == 3 and cfg.n_train <= 3
     with pytest.raises(config.OptionError, match="--n-train 4: must be at most --n-votes"):
         parse_config(["--n-votes", "3", "--out-dir", str(tmp_path)])
     with pytest.raises(config.OptionError, match="--n-train 5"):
-        parse_config(["--study", "--n-votes", "3", "--n-train", "5", "--out-dir", str(tmp_path)])
+        study_cfg(["--n-votes", "3", "--n-train", "5", "--out-dir", str(tmp_path)])
 
 
 def test_study_replay_reproduces_the_table_without_a_model(tiny_dir, tmp_path, monkeypatch, patched, capsys):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = machinery.study.run_study(parse_config(study_argv(tiny_dir, tmp_path / "out")))
+    run = study.run_study(study_cfg(study_argv(tiny_dir, tmp_path / "out")))
     printed = capsys.readouterr().out
     lines = rows(run, "study.jsonl")
     assert [r["id"] for r in lines] == ["q0", "q1", "q2", "q3"] and all(len(r["answers"]) == 8 for r in lines)
@@ -169,9 +170,8 @@ def test_study_replay_reproduces_the_table_without_a_model(tiny_dir, tmp_path, m
 
     def no_model(*args, **kwargs):
         raise AssertionError("replay loaded a model")
-    monkeypatch.setattr(machinery.model, "load_model", no_model)
     monkeypatch.setattr(model_lib, "load_model", no_model)
-    t3rl.main(["--replay", str(run)])
+    study.main(["--replay", str(run)])
     assert capsys.readouterr().out == printed == table
     assert (run / "study.png").stat().st_size > 1000
 
@@ -179,26 +179,26 @@ def test_study_replay_reproduces_the_table_without_a_model(tiny_dir, tmp_path, m
 def test_killed_study_resumes_at_the_next_unfinished_question(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    straight = machinery.study.run_study(parse_config(study_argv(tiny_dir, tmp_path / "a")))
+    straight = study.run_study(study_cfg(study_argv(tiny_dir, tmp_path / "a")))
 
     real_verify, sampled = t3rl.verify_groups, []
 
-    def killed_in_batch_two(records, *args, **kwargs):
+    def killed_in_batch_two(verify, seed, records, *args, **kwargs):
         sampled.extend(r["id"] for r in records)
         if len(sampled) > 2:
             raise KeyboardInterrupt
-        return real_verify(records, *args, **kwargs)
+        return real_verify(verify, seed, records, *args, **kwargs)
     monkeypatch.setattr(t3rl, "verify_groups", killed_in_batch_two)
     with pytest.raises(KeyboardInterrupt):
-        machinery.study.run_study(parse_config(study_argv(tiny_dir, tmp_path / "b")))
+        study.run_study(study_cfg(study_argv(tiny_dir, tmp_path / "b")))
     run = tmp_path / "b" / "run"
     assert [r["id"] for r in rows(run, "study.jsonl")] == ["q0", "q1"]
     with open(run / "study.jsonl", "a") as fh:
         fh.write('{"id": "q2", "gold": "6", "answ')  # a line cut short by the kill
     sampled.clear()
     with pytest.raises(SystemExit, match="other n_votes"):
-        machinery.study.run_study(parse_config(study_argv(tiny_dir, tmp_path / "b", n_votes=4)))
-    resumed = machinery.study.run_study(parse_config(["--resume", str(run)]))
+        study.run_study(study_cfg(study_argv(tiny_dir, tmp_path / "b", n_votes=4)))
+    resumed = study.run_study(study_cfg(["--resume", str(run)]))
     assert sampled == ["q2", "q3"]
     assert rows(resumed, "study.jsonl") == rows(straight, "study.jsonl")
 
@@ -207,21 +207,21 @@ def finished_study(tiny_dir, tmp_path, monkeypatch, **options):
     """A study of the four QUESTIONS run to its end: its folder and its study.jsonl rows."""
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    run = machinery.study.run_study(parse_config(study_argv(tiny_dir, tmp_path, **options)))
+    run = study.run_study(study_cfg(study_argv(tiny_dir, tmp_path, **options)))
     return run, rows(run, "study.jsonl")
 
 
 def test_a_study_grows_to_more_votes_keeping_its_first_rollouts(tiny_dir, tmp_path, monkeypatch, patched):
     run, before = finished_study(tiny_dir, tmp_path, monkeypatch, n_votes=4)
     with pytest.raises(config.OptionError, match="--n-votes 2 .the run has 4"):
-        parse_config(["--resume", str(run), "--n-votes", "2"])  # a study may grow, never shrink
+        study_cfg(["--resume", str(run), "--n-votes", "2"])  # a study may grow, never shrink
     real_verify, verified = t3rl.verify_groups, []
 
-    def counting(records, groups, *args, **kwargs):
+    def counting(verify, seed, records, groups, *args, **kwargs):
         verified.append([len(group) for group in groups])
-        return real_verify(records, groups, *args, **kwargs)
+        return real_verify(verify, seed, records, groups, *args, **kwargs)
     monkeypatch.setattr(t3rl, "verify_groups", counting)
-    machinery.study.run_study(parse_config(["--resume", str(run), "--n-votes", "8"]))
+    study.run_study(study_cfg(["--resume", str(run), "--n-votes", "8"]))
     after = rows(run, "study.jsonl")
     assert verified == [[4, 4], [4, 4]]  # only the 4 new rollouts of each question were sampled and verified
     assert [r["id"] for r in after] == [r["id"] for r in before]
@@ -235,7 +235,7 @@ def test_a_study_grows_to_more_votes_keeping_its_first_rollouts(tiny_dir, tmp_pa
 def test_a_study_grows_to_more_questions_keeping_the_ones_it_has(tiny_dir, tmp_path, monkeypatch, patched):
     run, before = finished_study(tiny_dir, tmp_path, monkeypatch, limit=2)
     with pytest.raises(config.OptionError, match="--limit 1 .the run has 2"):
-        parse_config(["--resume", str(run), "--limit", "1"])
-    machinery.study.run_study(parse_config(["--resume", str(run), "--limit", "0"]))  # 0: every question
+        study_cfg(["--resume", str(run), "--limit", "1"])
+    study.run_study(study_cfg(["--resume", str(run), "--limit", "0"]))  # 0: every question
     after = rows(run, "study.jsonl")
     assert [r["id"] for r in after] == ["q0", "q1", "q2", "q3"] and after[:2] == before

@@ -1,12 +1,9 @@
-"""bench/training_study.py (issue 49) and --question-ids: the selection, an arm, the report."""
+"""bench/training_study.py (issue 49): the selection, an arm, the report."""
 import json
 
 import pytest
 
-import t3rl
 from bench import training_study
-from machinery.files import DataError
-from machinery.options import OptionError, parse_config
 from helpers import QUESTIONS, rows, tiny_argv, write_bench
 
 
@@ -48,29 +45,6 @@ def test_select_picks_the_disagreeing_questions_and_a_seeded_control_of_as_many(
     assert tuple(q["id"] for q in again if q["group"] == "control") == controls[5]  # seeded
 
 
-def test_question_ids_restrict_training_and_evaluation_and_bad_files_end_in_one_line(
-        tiny_dir, tmp_path, monkeypatch, patched):
-    write_bench(tmp_path / "data", QUESTIONS)
-    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    ids = tmp_path / "ids.txt"
-    ids.write_text("q3  # listed out of order\n\nq1\n")
-    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, eval_every=1,
-                                            question_ids=str(ids))))
-    assert {r["id"] for r in rows(run, "rollouts.jsonl")} == {"q1", "q3"}
-    evaluations = rows(run, "evaluations.jsonl")
-    assert {r["step"] for r in evaluations} == {0, 1, 2}
-    assert all(sorted(r["id"] for r in evaluations if r["step"] == s) == ["q1", "q3"] for s in (0, 1, 2))
-    with pytest.raises(OptionError, match=r"^--question-ids \S+missing.txt: no such file[^\n]*$"):
-        parse_config(tiny_argv(tiny_dir, tmp_path / "out", question_ids=str(tmp_path / "missing.txt")))
-    ids.write_text("q1\nq9\n")
-    with pytest.raises(SystemExit, match=r"^error: --question-ids \S+: 1 ids not in --bench demo \(q9\)[^\n]*$"):
-        t3rl.main(tiny_argv(tiny_dir, tmp_path / "out", run_name="bad", question_ids=str(ids)))
-    ids.write_text("# nothing\n")
-    with pytest.raises(DataError, match="no ids in the file"):
-        t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", run_name="empty",
-                                          question_ids=str(ids))))
-
-
 def selection_file(results, questions):
     results.mkdir(parents=True, exist_ok=True)
     (results / "questions.json").write_text(json.dumps(
@@ -88,15 +62,16 @@ def test_an_arm_trains_on_the_selection_and_copies_its_small_outputs(tiny_dir, t
                              (("q0", "disagree", "2"), ("q2", "disagree", "4"), ("q3", "control", "6"))])
     tiny = [arg for arg in tiny_argv(tiny_dir, tmp_path, episodes=2)
             if not arg.startswith(("--out-dir", "--run-name", "--max-steps", "--eval-every",
-                                   "--save-every", "--questions-per-step", "--preset", "--eval-samples"))]
-    monkeypatch.chdir(tmp_path)  # the ids file is named from the working directory (another checkout)
+                                   "--save-every", "--questions-per-step", "--preset", "--eval-samples",
+                                   "--bench"))]
+    monkeypatch.chdir(tmp_path)  # the questions' file is named from the working directory (another checkout)
     training_study.main(["--results", str(results), "arm", "t3rl", "--out-dir", str(tmp_path / "runs"),
                          "--", "--eval-samples=2", *tiny])
     copied = results / "t3rl"
     assert sorted(p.name for p in copied.iterdir()) == [
         "config.json", "evaluations.jsonl", "metrics.jsonl", "shares.jsonl"]  # no checkpoint, no rollouts
     config = json.loads((copied / "config.json").read_text())
-    assert config["omega"] == 5.0 and config["question_ids"] == "results/questions.txt"
+    assert config["omega"] == 5.0 and config["bench"] == "runs/training-study-questions.jsonl"
     # 3 questions at 3 a step: one step an episode, an evaluation after each
     assert {r["step"] for r in rows(copied, "evaluations.jsonl")} == {0, 1, 2}
     assert {r["id"] for r in rows(copied, "evaluations.jsonl")} == {"q0", "q2", "q3"}

@@ -1,25 +1,27 @@
 """verifier.py: tool verification; a scripted verifier writes the programs, the sandbox runs them."""
 import dataclasses
+import doctest
 import os
 
 import pytest
 
+import verifier as verifier_module
 from answers import is_equiv
-from machinery.domains import MATH
-from helpers import ScriptedVerifier
+from helpers import ScriptedVerifier, verify_batch
 from sandbox import SandboxPool
 from verifier import (
+    MATH,
     MAX_ROLLOUT_CHARS,
     VERIFIER_SYSTEM,
     ToolRun,
+    ToVerify,
     VerifierPrompt,
     extract_code,
     model_verifier,
+    python_tool,
+    tool_agrees,
     verifier_prompt,
-    verify_batch,
 )
-from machinery.python_tool import python_tool, tool_agrees
-from voting import weighted_vote
 
 PROBLEM = "What is the sum of the integers from 1 to 10?"
 
@@ -50,7 +52,7 @@ def verify_pool():
 
 def verify_one(completion, answer, pool, **options):
     verifier = ScriptedVerifier(completion)
-    return verify_batch([PROBLEM], [ROLLOUT], [answer], verifier, MATH, pool, programs=1, **options)[0]
+    return verify_batch([PROBLEM], [ROLLOUT], [answer], verifier, MATH, pool, **options)[0]
 
 
 def test_computed_right_answer_is_verified(verify_pool):
@@ -109,23 +111,23 @@ def test_completion_without_code_is_no_code(verify_pool):
 
 
 def test_crashing_program_is_exec_error(verify_pool):
-    r = verify_one(block("print(55 / 0)"), "55", verify_pool, repair=False)
+    r = verify_one(block("print(55 / 0)"), "55", verify_pool)
     assert (r.v, r.status) == (0, "exec_error")
 
 
 def test_syntax_error_is_exec_error(verify_pool):
-    r = verify_one(block("print(sum(range(1, 11))"), "55", verify_pool, repair=False)
+    r = verify_one(block("print(sum(range(1, 11))"), "55", verify_pool)
     assert (r.v, r.status) == (0, "exec_error")
 
 
 def test_hanging_program_is_timeout(verify_pool):
-    r = verify_one(block("while True:\n    pass"), "55", verify_pool, repair=False)
+    r = verify_one(block("while True:\n    pass"), "55", verify_pool)
     assert (r.v, r.status) == (0, "timeout")
 
 
 def test_missing_answer_is_no_answer_without_a_verifier_call(verify_pool):
     verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"))
-    results = verify_batch([PROBLEM, PROBLEM], ["no box here", ROLLOUT], [None, "55"], verifier, MATH, verify_pool, programs=1)
+    results = verify_batch([PROBLEM, PROBLEM], ["no box here", ROLLOUT], [None, "55"], verifier, MATH, verify_pool)
     assert [r.status for r in results] == ["no_answer", "verified"]
     assert len(verifier.batches[0]) == 1
 
@@ -133,7 +135,7 @@ def test_missing_answer_is_no_answer_without_a_verifier_call(verify_pool):
 def test_one_verifier_call_and_one_sandbox_run_per_batch(verify_pool):
     verifier = ScriptedVerifier(*[block(f"print(len('{'x' * k}') * 11)") for k in range(4)])
     counting = CountingPool(verify_pool)
-    results = verify_batch([PROBLEM] * 4, [ROLLOUT] * 4, ["0", "11", "22", "34"], verifier, MATH, counting, programs=1)
+    results = verify_batch([PROBLEM] * 4, [ROLLOUT] * 4, ["0", "11", "22", "34"], verifier, MATH, counting)
     assert (len(verifier.batches), counting.calls) == (1, 1)
     assert [r.v for r in results] == [1, 1, 1, 0]
 
@@ -144,13 +146,13 @@ def test_programs_run_in_the_sandbox_not_in_process(verify_pool):
 
 
 def test_prompt_holds_problem_and_rollout():
-    prompt = verifier_prompt(PROBLEM, ROLLOUT, MATH)
+    prompt = verifier_prompt(ToVerify(PROBLEM, ROLLOUT, "55", "q0", None), MATH)
     assert PROBLEM in prompt.user and ROLLOUT in prompt.user and prompt.system == VERIFIER_SYSTEM
 
 
 def test_long_rollout_keeps_its_end():
     rollout = "step\n" * 5000 + "so the answer is \\boxed{55}"
-    prompt = verifier_prompt(PROBLEM, rollout, MATH)
+    prompt = verifier_prompt(ToVerify(PROBLEM, rollout, "55", "q0", None), MATH)
     assert "\\boxed{55}" in prompt.user and len(prompt.user) < MAX_ROLLOUT_CHARS + len(PROBLEM) + 500
 
 
@@ -158,94 +160,8 @@ def test_custom_tool_decides_the_verdict():
     def always_seven(codes, sandbox):
         return [ToolRun("ok", "7", "7\n", 0.0) for _ in codes]
     verifier = ScriptedVerifier(block("solver code"), block("solver code"))
-    results = verify_batch([PROBLEM] * 2, [ROLLOUT] * 2, ["7", "8"], verifier, dataclasses.replace(MATH, tool=always_seven), programs=1)
+    results = verify_batch([PROBLEM] * 2, [ROLLOUT] * 2, ["7", "8"], verifier, dataclasses.replace(MATH, tool=always_seven))
     assert [r.status for r in results] == ["verified", "mismatch"]
-
-
-def test_budget_verifies_only_k_per_answer_class(verify_pool):
-    answers = ["\\frac12", "0.5", "1/2", "2", "2", "2"]  # two classes: 1/2 (three spellings) and 2
-    verifier = ScriptedVerifier(*[block("print(1 / 2)")] * 2 + [block("print(1 + 1)")] * 2)
-    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, MATH, verify_pool, budget=2, programs=1)
-    assert len(verifier.batches[0]) == 4
-    assert [r.inferred for r in results] == [False, False, True, False, False, True]
-
-
-def test_budget_shares_the_majority_outcome_of_the_class(verify_pool):
-    answers = ["55"] * 5
-    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"), block("print(54 + len('x'))"),
-                                block("print(1 / 0)"))
-    results = verify_batch([PROBLEM] * 5, [ROLLOUT] * 5, answers, verifier, MATH, verify_pool, budget=3,
-                           repair=False, programs=1)
-    assert [r.v for r in results] == [1, 1, 0, 1, 1]
-    assert [r.status for r in results[3:]] == ["verified", "verified"]
-
-
-def test_budget_tie_inherits_unverified(verify_pool):
-    verifier = ScriptedVerifier(block("print(54 + len('x'))"), block("print(54)"))
-    results = verify_batch([PROBLEM] * 3, [ROLLOUT] * 3, ["55"] * 3, verifier, MATH, verify_pool, budget=2, programs=1)
-    assert results[2].v == 0 and results[2].inferred
-
-
-def test_budget_keeps_problems_apart(verify_pool):
-    other = "What is 5 times 11?"
-    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"), block("print(5 * 11)"))
-    results = verify_batch([PROBLEM, PROBLEM, other], [ROLLOUT] * 3, ["55"] * 3, verifier, MATH, verify_pool, budget=1, programs=1)
-    assert [r.inferred for r in results] == [False, True, False]
-
-
-def test_lazy_verification_stops_once_the_majority_is_verified(verify_pool, monkeypatch):
-    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)
-    answers = ["55", "55", "55", "55", "54", "56"]  # 55 verified scores 20, the others 5 at most
-    verifier = ScriptedVerifier(block("print(sum(range(1, 11)))"))
-    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, MATH, verify_pool, budget=1, omega=5.0, programs=1)
-    assert [len(batch) for batch in verifier.batches] == [1]
-    assert [r.status for r in results] == ["verified"] * 4 + ["skipped"] * 2 and [r.v for r in results] == [1] * 4 + [0, 0]
-
-
-def test_lazy_verification_asks_the_classes_that_can_still_win_in_a_second_call(verify_pool, monkeypatch):
-    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)  # a second call pays even for one prompt spared
-    answers = ["55", "55", "55", "55", "54", "56"]  # 55 fails (4): 54 or 56 verified (5) would beat it
-    verifier = ScriptedVerifier(*[block("print(6 * 9)")] * 3)
-    results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, MATH, verify_pool, budget=1, omega=5.0, programs=1)
-    assert [len(batch) for batch in verifier.batches] == [1, 2]
-    assert [r.status for r in results] == ["mismatch"] * 4 + ["verified", "mismatch"]
-    assert weighted_vote(answers, [r.v for r in results], 5.0).label == "54"
-
-
-def test_lazy_verification_asks_every_class_that_can_win_at_once_when_a_second_call_spares_little(verify_pool):
-    answers = ["55", "55", "55", "55", "54", "56", "57"]  # 55 and the three that could beat it: 3 prompts spared
-    verifier = ScriptedVerifier(*[block("print(6 * 9)")] * 4)
-    results = verify_batch([PROBLEM] * 7, [ROLLOUT] * 7, answers, verifier, MATH, verify_pool, budget=1, omega=5.0, programs=1)
-    assert [len(batch) for batch in verifier.batches] == [4]
-    assert [r.status for r in results] == ["mismatch"] * 4 + ["verified", "mismatch", "mismatch"]
-
-
-def test_lazy_verification_of_several_problems_makes_two_verifier_calls(verify_pool, monkeypatch):
-    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)
-    other = "What is 5 times 11?"
-    problems = [PROBLEM] * 4 + [other] * 4
-    answers = ["55", "55", "54", "53"] * 2  # per problem: 55 fails, so 54 and 53 can still win
-    verifier = ScriptedVerifier(*[block("print(0)")] * 8)
-    results = verify_batch(problems, [ROLLOUT] * 8, answers, verifier, MATH, verify_pool, omega=5.0, programs=1)
-    assert [len(batch) for batch in verifier.batches] == [4, 4]
-    assert all(r.status == "mismatch" for r in results)
-
-
-def test_two_questions_with_the_same_text_vote_apart_when_keyed_apart(verify_pool, monkeypatch):
-    """A benchmark may hold one text twice (two ids): keyed by question, each vote's laziness is its own, as
-    if each were verified alone. By text the six rollouts would vote as one group, where a verified 55 (15)
-    leaves the second question's 54 and 53 nothing to win, and they would be skipped."""
-    monkeypatch.setattr("machinery.lazy_verify.LAZY_SECOND_CALL", 0)  # the likeliest winners first, then what can beat them
-    a, b = ["55", "55", "55", "54"], ["54", "53"]
-    program = block("print(sum(range(1, 11)))")
-
-    def statuses(answers, groups=None):
-        return [r.status for r in verify_batch([PROBLEM] * len(answers), [ROLLOUT] * len(answers), answers,
-                                               ScriptedVerifier(*[program] * 6), MATH, verify_pool, omega=5.0,
-                                               groups=groups, programs=1)]
-    keyed = statuses(a + b, groups=["a"] * 4 + ["b"] * 2)
-    assert keyed == statuses(a) + statuses(b) and keyed[4:] == ["mismatch", "mismatch"]
-    assert statuses(a + b)[4:] == ["skipped", "skipped"]
 
 
 def test_model_verifier_seeds_a_program_by_what_it_verifies_not_by_its_call(tiny_model, tokenizer):
@@ -285,7 +201,7 @@ def test_a_printed_double_verifies_an_irrational_answer_at_its_own_precision():
 
 def test_model_verifier_returns_one_completion_per_prompt_with_token_counts(tiny_model, tokenizer):
     verifier = model_verifier(tiny_model, tokenizer, max_new_tokens=4, seed=0)
-    replies = verifier([verifier_prompt(PROBLEM, ROLLOUT, MATH), verifier_prompt(PROBLEM, "no idea", MATH)])
+    replies = verifier([verifier_prompt(ToVerify(PROBLEM, ROLLOUT, "55", "q0", None), MATH), verifier_prompt(ToVerify(PROBLEM, "no idea", "55", "q0", None), MATH)])
     assert len(replies) == 2 and all(isinstance(r.text, str) and 1 <= r.tokens <= 4 for r in replies)
 
 
@@ -293,7 +209,12 @@ def test_model_verifier_puts_the_system_prompt_in_the_chat(tiny_model, tokenizer
     import sampler
     seen = []
     real = sampler.generate
-    monkeypatch.setattr(sampler, "generate", lambda model, tok, prompts, **kw: seen.extend(prompts) or
-                        real(model, tok, prompts, **kw))
+    monkeypatch.setattr(sampler, "generate", lambda model, tok, prompts, *a, **kw: seen.extend(prompts) or
+                        real(model, tok, prompts, *a, **kw))
     model_verifier(tiny_model, tokenizer, max_new_tokens=1, seed=0)([VerifierPrompt(VERIFIER_SYSTEM, "hello")])
     assert VERIFIER_SYSTEM in seen[0] and "hello" in seen[0]
+
+
+def test_doctests_pass():
+    failed, _ = doctest.testmod(verifier_module)
+    assert failed == 0

@@ -1,27 +1,23 @@
-"""voting.py: the verification-weighted vote, its classes, rewards, laziness and monitors."""
+"""voting.py: the verification-weighted vote, its classes and rewards."""
 import doctest
 import itertools
-import math
 import os
-import random
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-import verifier
 import voting
 from answers import answer_key, same_answer
-from voting import answer_classes, group_metrics, undecided_classes, weighted_vote
+from voting import answer_classes, weighted_vote
 
 INF = float("inf")
 
 
 def test_doctests_pass():
-    for module in (voting, verifier):
-        failed, _ = doctest.testmod(module)
-        assert failed == 0
+    failed, tested = doctest.testmod(voting)
+    assert tested > 0 and failed == 0
 
 
 def test_voting_imports_only_the_standard_library():
@@ -136,76 +132,13 @@ def test_assignment_matches_classes_and_rewards():
     assert vote.assignment == [0, 1, None, 0, 1, 1] and vote.rewards() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
 
 
-def every_outcome(verified):
-    """Each way the unverified rollouts (None) could turn out: complete 0/1 lists."""
-    unknown = [i for i, v in enumerate(verified) if v is None]
-    for bits in itertools.product((0, 1), repeat=len(unknown)):
-        filled = list(verified)
-        for i, bit in zip(unknown, bits):
-            filled[i] = bit
-        yield filled
-
-
-OMEGAS = (1.0, 2.0, 5.0, math.inf)
-
-
-def test_the_vote_is_undecided_exactly_when_unverified_rollouts_can_change_its_label():
-    rng = random.Random(0)
-    for _ in range(300):
-        n = rng.randint(1, 7)
-        answers = [None if rng.random() < 0.15 else rng.choice("abc") for _ in range(n)]
-        verified = [rng.choice((0, 1, None)) for _ in range(n)]
-        for omega in OMEGAS:
-            labels = {weighted_vote(answers, v, omega).label for v in every_outcome(verified)}
-            assert (undecided_classes(answers, verified, omega) == []) == (len(labels) == 1), (answers, verified, omega)
-
-
-def test_verifying_the_undecided_classes_in_two_rounds_gives_the_label_and_rewards_of_verifying_all():
-    rng = random.Random(1)
-    asked = everyone = 0
-    for _ in range(300):
-        n = rng.randint(1, 8)
-        answers = [None if rng.random() < 0.15 else rng.choice("abcd") for _ in range(n)]
-        truth = [rng.randint(0, 1) for _ in range(n)]
-        for omega in OMEGAS:
-            known = [None] * n
-            for first_round in (True, False):  # the likeliest winner first, then every class that can beat it
-                undecided = undecided_classes(answers, known, omega)
-                for members in undecided[:1] if first_round else undecided:
-                    for i in members:
-                        known[i] = truth[i]
-            assert undecided_classes(answers, known, omega) == []
-            lazy = weighted_vote(answers, [0 if v is None else v for v in known], omega)
-            full = weighted_vote(answers, truth, omega)
-            assert (lazy.label, lazy.rewards()) == (full.label, full.rewards())
-            asked += sum(v is not None for v in known)
-            everyone += sum(a is not None for a in answers)
-    assert asked < 0.8 * everyone
-
-
-def test_plain_majority_needs_no_verdict():
-    assert undecided_classes(["1", "2", "2"], [None] * 3, omega=1.0) == []
-
-
 def test_bad_group_is_refused():
-    with pytest.raises(ValueError, match="verified has 1"):
+    with pytest.raises(ValueError, match="2 answers need as many verdicts"):
         weighted_vote(["1", "2"], [0], 5.0)
     with pytest.raises(ValueError, match="omega must be >= 1"):
         weighted_vote(["1"], [0], 0.5)
-    with pytest.raises(ValueError, match=r"shares in \[0, 1\], got 1.5"):
-        weighted_vote(["1"], [1.5], 5.0)
-
-
-def test_a_share_of_programs_weighs_between_one_and_omega():
-    """--verifier-agreement share: v_i is the share of a rollout's programs that reproduced a_i and
-    w_i = 1 + (omega - 1) * v_i: two thirds at omega 4 weigh 3 votes, so one such rollout outvotes two
-    unverified ones, a third of a program (weight 2) ties them and loses on size."""
-    assert weighted_vote(["7", "9", "9"], [2 / 3, 0, 0], 4.0).scores == {"7": 3.0, "9": 2.0}
-    assert weighted_vote(["7", "9", "9"], [1 / 3, 0, 0], 4.0).label == "9"
-    assert weighted_vote(["7", "9"], [0.5, 0.25], math.inf).scores == {"7": 0.5, "9": 0.25}
-    # lazy verification's bounds hold for shares: 7's verified share decides against one open rollout
-    assert undecided_classes(["7", "7", "9"], [2 / 3, 2 / 3, None], 4.0) == []
-    assert undecided_classes(["7", "7", "9", "9"], [1 / 3, 1 / 3, None, None], 4.0) == [[2, 3]]
+    with pytest.raises(ValueError, match=r"each 0 or\s*1; got \[0.5\]"):
+        weighted_vote(["1"], [0.5], 5.0)
 
 
 def test_rewards_follow_the_class_assignment():
@@ -213,38 +146,3 @@ def test_rewards_follow_the_class_assignment():
     assert weighted_vote(["5", "5.0", None, "6"], [0] * 4, 1.0, key=answer_key).rewards() == [1.0, 1.0, 0.0, 0.0]
 
 
-def test_metrics_of_a_flip_that_fixes_the_label():
-    answers = ["1260"] * 11 + ["1320"] * 4 + [None]
-    verified = [0] * 11 + [1] * 4 + [0]
-    m = group_metrics(weighted_vote(answers, verified, 5.0), verified, gold="1320")
-    assert m == {"majority_ratio": 11 / 16, "verified_ratio": 4 / 16, "flipped": 1.0,
-                 "label_accuracy": 1.0, "reward_accuracy": 1.0, "ground_truth_ratio": 4 / 16,
-                 "pass@N": 1.0, "flip_fixed": 1.0, "flip_broke": 0.0}
-
-
-def test_metrics_of_a_flip_that_breaks_the_label():
-    answers, verified = ["7", "7", "7", "9"], [0, 0, 0, 1]
-    vote = weighted_vote(answers, verified, 5.0)
-    m = group_metrics(vote, verified, gold="7")
-    # pseudo rewards 0,0,0,1 against true 1,1,1,0: none agree
-    assert (vote.label, m["flipped"], m["flip_fixed"], m["flip_broke"]) == ("9", 1.0, 0.0, 1.0)
-    assert (m["label_accuracy"], m["reward_accuracy"], m["ground_truth_ratio"], m["pass@N"]) == (0.0, 0.0, 0.75, 1.0)
-
-
-def test_metrics_without_flip_or_gold():
-    answers, verified = ["2", "3", "3", "4"], [0, 1, 0, 0]
-    assert group_metrics(weighted_vote(answers, verified, 1.0), verified) == {"majority_ratio": 0.5,
-                                                                               "verified_ratio": 0.25, "flipped": 0.0}
-
-
-def test_metrics_when_nobody_finds_gold():
-    answers, verified = ["2", "2", "3", None], [0, 0, 0, 0]
-    m = group_metrics(weighted_vote(answers, verified, 5.0), verified, gold="4")
-    assert (m["label_accuracy"], m["reward_accuracy"], m["ground_truth_ratio"], m["pass@N"]) == (0.0, 0.5, 0.0, 0.0)
-
-
-def test_metrics_find_gold_in_a_class_through_same():
-    answers, verified = ["0.5", "0.5", "3"], [0, 0, 1]
-    vote = weighted_vote(answers, verified, 5.0, key=answer_key, same=same_answer)
-    m = group_metrics(vote, verified, gold="\\frac{1}{2}", key=answer_key, same=same_answer)
-    assert (vote.label, m["flipped"], m["flip_broke"], m["ground_truth_ratio"]) == ("3", 1.0, 1.0, 2 / 3)

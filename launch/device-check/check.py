@@ -210,9 +210,9 @@ def role_workload(role: str, work: Path, device):
     policy from its float32 master weights, the verifier from bfloat16 weights that never train."""
     if role == "policy":
         import t3rl
-        from machinery.domains import domain_of
+        from verifier import MATH
         model, tokenizer = load(role, work, torch.float32)
-        prompts = [t3rl.policy_prompt(tokenizer, PROBLEM, domain_of("math500").instruction)]
+        prompts = [t3rl.policy_prompt(tokenizer, PROBLEM, MATH.instruction)]
         return model.to(device), tokenizer, prompts, SIZES.rollouts, SIZES.new_tokens, False
     model, tokenizer = load(role, work, torch.bfloat16)
     prompts = random_prompts(SIZES.verifier_prompts, SIZES.verifier_prompt_tokens)
@@ -220,17 +220,20 @@ def role_workload(role: str, work: Path, device):
 
 
 def sample(role: str, work: Path):
-    """The kv sampler in bfloat16 at the paper's temperature and top-p, every row to its length."""
-    from sampler import generate
+    """The paper preset's sampler without vLLM (kv-fast) in bfloat16 at the paper's temperature and
+    top-p, every row to its length; the verifier's weights read from its files, as a run reads
+    them."""
+    from extensions import kv_fast
+    from sampler import Sampling
     device = local_device()
     model, tokenizer, prompts, n, new, frozen = role_workload(role, work, device)
-    options = dict(temperature=0.6, top_p=SIZES.top_p, seed=0, backend="kv", ignore_eos=True,
-                   dtype=torch.bfloat16, frozen=frozen)
-    generate(model, tokenizer, prompts[:1], n=2, max_new_tokens=4, **options)  # warm-up
+    if frozen:
+        kv_fast.sampling_only(model, work / role)
+    sampling = lambda tokens: Sampling(tokens, 0.6, SIZES.top_p, torch.bfloat16, True)  # noqa: E731
+    kv_fast.generate(model, tokenizer, prompts[:1], 2, sampling(4), seed=0)  # warm-up
     started = start_clock(device)
     # the progress bar leaves the rate in the log should the check run out of time
-    groups = generate(model, tokenizer, prompts, n=n, max_new_tokens=new, progress=role,
-                      **options)
+    groups = kv_fast.generate(model, tokenizer, prompts, n, sampling(new), seed=0, progress=role)
     seconds = seconds_since(started, device)
     tokens = sum(len(c.token_ids) for group in groups for c in group)
     if tokens != len(prompts) * n * new:
@@ -244,11 +247,11 @@ def sample(role: str, work: Path):
 # ------------------------------------------------------------------------------ the GRPO update
 
 def run_arguments(work: Path, run_name: str, *extra: str) -> list[str]:
-    """The paper preset on the two random models, kv sampling, the run under WORK/runs."""
+    """The paper preset on the two random models (its sampler without vLLM: kv-fast), the run
+    under WORK/runs."""
     return ["--preset", "paper", "--model", str(work / "policy"),
-            "--verifier-model", str(work / "verifier"), "--backend", "kv",
-            "--verifier-backend", "kv", "--bench", "math500", "--out-dir", str(work / "runs"),
-            "--run-name", run_name, *extra]
+            "--verifier-model", str(work / "verifier"), "--backend", "kv-fast",
+            "--bench", "math500", "--out-dir", str(work / "runs"), "--run-name", run_name, *extra]
 
 
 def rollouts(count: int, prompt_tokens: int, new_tokens: int):
@@ -263,16 +266,15 @@ def prepare_update(mode: str, cfg, accelerator):
     """(the module grpo_step trains, optimizer, scheduler, the sampling copy or None): the policy
     in float32 under DDP (accelerate's prepare) or FSDP2 (fsdp.shard_models on this one process),
     AdamW and the cosine schedule."""
-    from machinery import fsdp
+    from extensions import fsdp
+    from grpo import make_optimization
     from machinery.model import load_model
-    from machinery.optim import cosine_schedule, make_optimizer
     policy, _ = load_model(cfg.model, dtype=torch.float32)
     policy.train()
     copy = None
     if mode == "fsdp":
         policy, copy, _ = fsdp.shard_models(policy, None, cfg, accelerator.device)
-    optimizer = make_optimizer(policy, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    scheduler = cosine_schedule(optimizer, total_steps=10)
+    optimizer, scheduler = make_optimization(policy, cfg, total_steps=10)
     if mode == "ddp":
         policy, optimizer = accelerator.prepare(policy, optimizer)
     return policy, optimizer, scheduler, copy
@@ -280,9 +282,8 @@ def prepare_update(mode: str, cfg, accelerator):
 
 def wrapper_name(trained, mode: str) -> str:
     """What grpo_step trains, checked: a DDP replica or FSDP2 shards."""
-    from machinery import fsdp
     wanted = {"ddp": isinstance(trained, torch.nn.parallel.DistributedDataParallel),
-              "fsdp": fsdp.is_sharded(trained)}
+              "fsdp": any(hasattr(p, "to_local") for p in trained.parameters())}  # DTensor shards
     if not wanted[mode]:
         raise SystemExit(f"update {mode}: grpo_step would train a {type(trained).__name__}")
     return {"ddp": "DistributedDataParallel", "fsdp": "FSDP2 fully_shard"}[mode]
@@ -291,32 +292,33 @@ def wrapper_name(trained, mode: str) -> str:
 def update(mode: str, work: Path):
     """One GRPO update on M rollouts under the paper's settings (micro-batches of 2, token-mean,
     bf16 autocast, gradient checkpointing, AdamW), after a small warm-up update."""
-    from grpo import grpo_step
-    from machinery import fsdp
-    from machinery.loop import make_accelerator
-    from machinery.optim import grpo_settings
-    from machinery.options import parse_config
+    from config import parse_config
+    from extensions import fsdp
+    from grpo import bf16_supported, grpo_step
+    from machinery import runs
+    gpu = torch.cuda.is_available()
     cfg = parse_config(run_arguments(work, f"update-{mode}", "--n-train", str(SIZES.trained),
-                                     "--max-new-tokens", str(SIZES.new_tokens)))
-    accelerator = make_accelerator(cfg)
-    device, settings = accelerator.device, grpo_settings(cfg, accelerator.device)
+                                     "--max-new-tokens", str(SIZES.new_tokens)), gpu)
+    runs.settle(cfg, gpu)
+    accelerator = runs.make_accelerator(cfg, gpu)
+    device = accelerator.device
     trained, optimizer, scheduler, copy = prepare_update(mode, cfg, accelerator)
     kind = wrapper_name(trained, mode)
-    step = lambda batch, s: grpo_step(trained, optimizer, scheduler, batch, s,  # noqa: E731
+    step = lambda batch, c: grpo_step(trained, optimizer, scheduler, batch, c,  # noqa: E731
                                       accelerator=accelerator)
-    step(rollouts(2, 8, 8), replace(settings, group_size=2))  # warm-up
+    step(rollouts(2, 8, 8), replace(cfg, n_train=2))  # warm-up
     started = start_clock(device)
-    metrics = step(rollouts(SIZES.trained, SIZES.update_prompt_tokens, SIZES.new_tokens), settings)
-    if copy is not None:  # the sampling copy gets the trained weights, as after a run's update
-        fsdp.refresh(copy)
+    metrics = step(rollouts(SIZES.trained, SIZES.update_prompt_tokens, SIZES.new_tokens), cfg)
+    if copy is not None:  # the sampling copy gets the trained weights, as before a run samples
+        fsdp.refreshing(lambda: None, trained, copy)()
     seconds = seconds_since(started, device)
     if not math.isfinite(metrics["loss"]) or metrics["optimizer_steps"] != 1:
         raise SystemExit(f"update {mode}: loss {metrics['loss']}, "
                          f"{metrics['optimizer_steps']} optimizer steps")
     result(f"{mode} ({kind}, {accelerator.num_processes} process, {device}): "
            f"{SIZES.trained} rollouts x ({SIZES.update_prompt_tokens} + {SIZES.new_tokens}) "
-           f"tokens, micro-batches of {settings.micro_batch_rollouts}, {settings.agg}, bf16 "
-           f"{settings.bf16}, checkpointing {settings.gradient_checkpointing}: {seconds:.1f} s, "
+           f"tokens, micro-batches of {cfg.micro_batch_rollouts}, {cfg.loss_agg}, bf16 "
+           f"{bf16_supported(device)}, checkpointing {cfg.grad_checkpointing}: {seconds:.1f} s, "
            f"grad norm {metrics['grad_norm']:.3g}, {peak_memory(device)}")
     report_absent()
 
@@ -367,7 +369,7 @@ def stopped_run(work: Path):
     code, output = launch_t3rl(work, "--stop-at-update", "2", *run_arguments(
         work, "resume", "--limit", "4", "--questions-per-step", "2", "--n-votes", "4",
         "--n-train", "2", "--max-new-tokens", size, "--verifier-max-new-tokens", size,
-        "--top-p", top_p, "--verifier-top-p", top_p, "--eval-samples", "0", "--max-steps", "2",
+        "--top-p", top_p, "--eval-samples", "0", "--max-steps", "2",
         "--save-every", "1", "--eval-cache", "none"))
     run = work / "runs" / "resume"
     expect(output, "interrupted: ", f"--resume {run}", "result: imported none")

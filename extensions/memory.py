@@ -1,0 +1,114 @@
+"""The verdict memory (--verdict-memory): an answer class of a question whose last VERDICT_ATTEMPTS
+steps agreed on it (reproduced each time, or failed each time) keeps that verdict in later steps
+without a verifier call; one step's evidence never settles a class, and a class whose steps
+disagree is verified afresh. Kept in the run folder's verdicts.jsonl, so that --resume goes on
+exactly. Enters at one call: t3rl.setup wraps the verify function in `remembering`. How this changes
+the vote against verifying afresh: docs/verifier.md#several-programs-repair-and-the-verdict-memory.
+"""
+from machinery.runs import append_jsonl, keep_jsonl, read_jsonl_rows
+from verifier import Verification
+from voting import answer_classes
+
+VERDICT_ATTEMPTS = 2  # steps in a row that must agree on a class before it is kept
+
+
+def remembering(verify, memory: "VerdictMemory", gather):
+    """verify(rollouts, known) taking the settled classes' verdicts from the memory and teaching it
+    what the fresh ones showed (every process's: gather, which every process calls, once a call).
+    An evaluation (step -1) verifies afresh and teaches nothing."""
+    def verify_remembered(rollouts, known):
+        training = bool(rollouts) and rollouts[0].step >= 0
+        groups, answers = [r.question for r in rollouts], [r.answer for r in rollouts]
+        known = list(known)
+        for i, row in memory.recall(groups, answers, known) if training else []:
+            known[i] = Verification(row["v"], row["status"], row["result"], inferred=True,
+                                    remembered=True)
+        results = verify(rollouts, known)
+        lessons = memory.lessons(rollouts[0].step, groups, answers, results) if training else []
+        memory.learn(gather(lessons))
+        return results
+    return verify_remembered
+
+
+def open_memory(run_dir, start_step: int, domain, main: bool) -> "VerdictMemory":
+    """The run's memory from its verdicts.jsonl, the rows before the step it starts at (the main
+    process drops the later ones: a resumed run goes on from its checkpoint, as one that never
+    stopped)."""
+    path = run_dir / "verdicts.jsonl"
+    memory = VerdictMemory(domain, VERDICT_ATTEMPTS, path if main else None)
+    memory.learn([r for r in read_jsonl_rows(path) if r["step"] < start_step], write=False)
+    if main:
+        keep_jsonl(path, lambda r: r["step"] < start_step)
+    return memory
+
+
+class VerdictMemory:
+    """What earlier steps showed of each question's answer classes: per class, the outcome of every
+    step that verified some of its rollouts afresh (reproduced: one of its programs recomputed the
+    answer; failed: none did). A class is settled, and its rollouts take its verdict without a
+    verifier call, when its last `attempts` (>= 2) such steps agree; one step's evidence settles
+    nothing, and a class whose steps disagree is verified afresh. recall names a batch's settled
+    rollouts; lessons are what a step showed (one row per question and class verified afresh),
+    learn takes them."""
+
+    def __init__(self, domain, attempts: int, path=None):
+        if attempts < 2:
+            raise ValueError(f"attempts={attempts}: a class is settled by at least 2 steps that "
+                             f"agree (one step's verdict is never kept)")
+        self.domain, self.attempts, self.path = domain, attempts, path
+        self.classes = {}  # question id -> [entry]; entry: answer, outcomes [(step, row)]
+
+    def entry(self, qid, answer):
+        key = self.domain.key(answer)
+        return next((e for e in self.classes.get(qid, ())
+                     if self.domain.key(e["answer"]) == key
+                     or self.domain.same(e["answer"], answer)), None)
+
+    def settled(self, entry) -> dict | None:
+        """The class's verdict (its latest step's row) when its last `attempts` steps agree."""
+        last = [row for _, row in entry["outcomes"][-self.attempts:]]
+        if len(last) < self.attempts or len({row["v"] > 0 for row in last}) > 1:
+            return None
+        return last[-1]
+
+    def recall(self, groups, answers, results):
+        """(i, verdict row) for each rollout not judged yet (results[i] None) whose answer class is
+        settled."""
+        remembered, by_question = [], {}
+        for i, answer in enumerate(answers):
+            if answer is not None:
+                by_question.setdefault(groups[i], []).append(i)
+        for qid, indices in by_question.items():
+            for members in answer_classes([answers[i] for i in indices], **self.domain.classes):
+                e = self.entry(qid, answers[indices[members[0]]])
+                known = e and self.settled(e)
+                if known:
+                    remembered += [(indices[m], known) for m in members
+                                   if results[indices[m]] is None]
+        return remembered
+
+    def lessons(self, step, groups, answers, results) -> list[dict]:
+        """What this step's fresh verdicts showed, per question and answer class: v = 1 when one of
+        its rollouts was reproduced (that rollout's status and result), else 0 (the first's)."""
+        rows = {}
+        for i, (answer, res) in enumerate(zip(answers, results)):
+            if answer is None or res.inferred or res.status == "skipped":
+                continue
+            e = self.entry(groups[i], answer)
+            key = (groups[i], self.domain.key(e["answer"] if e else answer))
+            row = rows.setdefault(key, {"step": step, "id": groups[i], "answer": answer, "v": 0,
+                                        "status": res.status, "result": res.result})
+            if res.v > row["v"]:
+                row.update(v=1, status=res.status, result=res.result)
+        return list(rows.values())
+
+    def learn(self, rows, write=True):
+        """Take a step's lessons (every process's); the main process appends them to the file."""
+        for row in rows:
+            e = self.entry(row["id"], row["answer"])
+            if e is None:
+                e = {"answer": row["answer"], "outcomes": []}
+                self.classes.setdefault(row["id"], []).append(e)
+            e["outcomes"].append((row["step"], row))
+        if write and self.path is not None and rows:
+            append_jsonl(self.path, rows)

@@ -1,0 +1,109 @@
+"""Beyond the paper's one program per rollout (--verifier-programs K, --verifier-repair): K programs
+per rollout, each with its own seed, in the same verifier call, v_i = 1 when one reproduces a_i;
+a program that raised, ran too long or printed nothing gets one more turn that shows it its error.
+Enters at one call: t3rl.setup verifies with `several` in place of verifier.verify_batch.
+
+On 100 human-written MATH solutions 3 programs with repair verify at 90.5 % accuracy against 80.5 %
+for one program, at 3.2x its time (docs/verifier.md).
+"""
+import dataclasses
+import hashlib
+import time
+
+from verifier import Verification, run_programs, verifier_prompt
+
+REPRODUCED = ("verified", "repaired")  # a clean program printed a_i and did not copy it in
+# a rollout none of whose programs reproduced a_i takes the status of the one that got furthest:
+# a program that ran and printed something else says more than one that raised beside it
+FURTHEST = ("mismatch", "hardcoded", "exec_error", "timeout", "no_code")
+REPAIR_LINES, REPAIR_CHARS = 8, 800  # what the repair turn shows of a failed program's output
+
+REPAIR_USER = """Problem:
+{problem}
+
+This program should compute the answer to the problem:
+```python
+{program}
+```
+Running it gave:
+```
+{error}
+```
+
+Write the corrected Python program that computes the answer and prints it."""
+
+
+def several(rollouts, known, verifier, pool, domain, programs: int, repair: bool) -> list:
+    """verifier.verify_batch with `programs` programs per rollout and, with repair, one more turn for
+    each that failed: all programs in one verifier call and one sandbox batch, the repairs in one
+    more of each."""
+    todo = [i for i, (r, k) in enumerate(zip(rollouts, known)) if k is None and r.answer is not None]
+    started = time.perf_counter()
+    asked = [(rollouts[i], verifier_prompt(dataclasses.replace(
+        rollouts[i], seed=program_seed(rollouts[i].seed, j)), domain))
+        for i in todo for j in range(programs)]
+    runs = run_programs(asked, verifier, pool, domain)
+    failed = [k for k, run in enumerate(runs) if repair and needs_repair(run, domain)]
+    fixes = run_programs([(asked[k][0], repair_prompt(asked[k], runs[k], domain)) for k in failed],
+                         verifier, pool, domain)
+    for k, fix in zip(failed, fixes):
+        runs[k] = repaired(runs[k], fix)
+    seconds = (time.perf_counter() - started) / max(len(todo), 1)
+    results = list(known)
+    for n, i in enumerate(todo):
+        results[i] = combine(runs[n * programs:(n + 1) * programs], seconds)
+    return [Verification(0, "no_answer", None) if r.answer is None else result
+            for r, result in zip(rollouts, results)]
+
+
+def program_seed(seed, j: int):
+    """The seed of a rollout's j-th program: the rollout's own for the first (one program per
+    rollout samples as the paper's single one), a hash of it and j for the others."""
+    if j == 0:
+        return seed
+    return int.from_bytes(hashlib.blake2b(f"{seed}|program {j}".encode(), digest_size=7).digest(),
+                          "big")
+
+
+def needs_repair(run, domain) -> bool:
+    """The program raised, hit a sandbox limit or printed nothing, and the domain is math (knk's
+    SMT scripts get no repair turn)."""
+    failed = run.status in ("exec_error", "timeout") or (run.status == "mismatch"
+                                                         and run.result is None)
+    return failed and domain.name == "math"
+
+
+def repair_prompt(asked, run, domain):
+    """The repair turn: the problem, the failed program and the end of what running it gave."""
+    rollout, prompt = asked
+    lines = run.output.strip().splitlines()[-REPAIR_LINES:]
+    error = "\n".join(lines)[-REPAIR_CHARS:] or "(it printed nothing)"
+    if run.status == "timeout":
+        error = f"{error}\n(it ran past the sandbox's time limit)"
+    user = REPAIR_USER.format(problem=rollout.problem.strip(), program=run.code.strip(),
+                              error=error)
+    return dataclasses.replace(prompt, user=user,
+                               seed=None if prompt.seed is None else program_seed(prompt.seed, -1))
+
+
+def repaired(first, fix):
+    """The verdict of a repaired program: the fix's, status "repaired" when it reproduced a_i, the
+    tokens and run time of both."""
+    tokens = None if first.tokens is None or fix.tokens is None else first.tokens + fix.tokens
+    return dataclasses.replace(fix, status="repaired" if fix.status == "verified" else fix.status,
+                               repaired_from=first.status, tokens=tokens,
+                               tool_seconds=first.tool_seconds + fix.tool_seconds)
+
+
+def combine(runs, seconds: float):
+    """One rollout's Verification from its programs': v = 1 when any reproduced a_i; the first that
+    did (else the one that got furthest) speaks for it, the tokens are all of theirs."""
+    reproduced = [run for run in runs if run.status in REPRODUCED]
+    speaker = reproduced[0] if reproduced else min(runs, key=lambda r: FURTHEST.index(r.status))
+    tokens = [run.tokens for run in runs]
+    return dataclasses.replace(
+        speaker, v=int(bool(reproduced)), seconds=seconds,
+        tokens=None if None in tokens else sum(tokens),
+        tool_seconds=sum(run.tool_seconds for run in runs),
+        programs=[{"status": run.status, "v": run.v, "repaired_from": run.repaired_from,
+                   "tokens": run.tokens} for run in runs] if len(runs) > 1 else None)
