@@ -26,7 +26,8 @@ AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm", 
 
 @dataclass(frozen=True)
 class Range:
-    """Allowed numbers, written as an interval: [1, inf) excludes inf and nan, [1, inf] allows inf."""
+    """Allowed numbers, written as an interval: [1, inf) excludes inf and nan, [1, inf] allows
+    inf."""
     low: float
     high: float = math.inf
     low_open: bool = False
@@ -76,7 +77,8 @@ class Config:
                                      AT_LEAST_ONE)
     episodes: int = option(10, "passes over the benchmark (paper: 10 MATH-500, 30 AMC, 80 AIME "
                            "2024); 0: evaluate the starting policy and stop", COUNT)
-    max_steps: int = option(0, "stop after this many steps (0: as many as the episodes take)", COUNT)
+    max_steps: int = option(0, "stop after this many steps (0: as many as the episodes take)",
+                            COUNT)
     temperature: float = option(0.6, "rollout temperature (> 0: GRPO's ratio needs the sampling "
                                 "distribution's log-probs)", POSITIVE)
     top_p: float = option(0.95, "rollout nucleus mass", SHARE)

@@ -61,7 +61,8 @@ class MicroBatch:
     attention_mask: torch.Tensor     # [b, T]
     response_mask: torch.Tensor      # [b, T] bool: the completion tokens the policy sampled
     advantages: torch.Tensor         # [b]
-    weight: float                    # its share of the mini-batch's loss (x processes: DDP averages)
+    weight: float                    # its share of the mini-batch's loss (x processes: DDP
+                                     # averages)
     sampling_logp: torch.Tensor | None = None  # [b, T] the sampler's log-probs, when it gave them
     old_logp: torch.Tensor | None = None  # [b, T] pi_old, once the policy has moved since sampling
     ref_logp: torch.Tensor | None = None  # [b, T] pi_ref, with --kl-coef
@@ -143,7 +144,8 @@ def mini_batch_update(model, optimizer, micro: list, cfg, accelerator, autocast,
     grad_norm = clip_gradients(model)
     processes = accelerator.num_processes if accelerator else 1
     main = accelerator is None or accelerator.is_main_process
-    finite = bool(torch.isfinite(grad_norm))  # taken after the all-reduce: the same on every process
+    # taken after the all-reduce: the same on every process
+    finite = bool(torch.isfinite(grad_norm))
     if finite:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -228,11 +230,12 @@ def plan_batches(batch: Rollouts, advantages, cfg: Config, accelerator, lockstep
     gradients is the mini-batch's. A process without rollouts in a mini-batch runs one at weight 0
     (the all-reduce needs it); lockstep (FSDP, whose every backward is collective): every process as
     many micro-batches as the one with the most."""
-    rank, processes = (accelerator.process_index, accelerator.num_processes) if accelerator else (0, 1)
+    rank, processes = ((accelerator.process_index, accelerator.num_processes) if accelerator
+                       else (0, 1))
     groups = len(advantages) // cfg.n_train
     per_step = cfg.mini_batch_questions or groups
-    size = lambda index: (sum(batch.policy_tokens(i) for i in index) if cfg.loss_agg == "dapo"  # noqa
-                          else len(index))
+    size = lambda index: (sum(batch.policy_tokens(i) for i in index)  # noqa: E731
+                          if cfg.loss_agg == "dapo" else len(index))
 
     def cut(indices):
         lengths = [len(batch.prompts[i]) + len(batch.completions[i]) for i in indices]
@@ -330,7 +333,8 @@ def step_statistics(totals: dict, steps: int, accelerator, device) -> dict:
 def check_batch(batch: Rollouts, cfg: Config, ref_model):
     if not len(batch.prompts) == len(batch.completions) == len(batch.rewards):
         raise ValueError(f"grpo_step: {len(batch.prompts)} prompts, {len(batch.completions)} "
-                         f"completions and {len(batch.rewards)} rewards; pass one of each per rollout")
+                         f"completions and {len(batch.rewards)} rewards; pass one of each per "
+                         f"rollout")
     sampled = batch.sampling_logprobs
     if sampled is not None and [len(x) for x in sampled] != [batch.policy_tokens(i)
                                                               for i in range(len(sampled))]:

@@ -315,7 +315,8 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     if cfg.parallel == "fsdp":  # the checkpoint's full state, scattered onto the shards
         load_optimizer = functools.partial(fsdp.restore_optimizer, trained, optimizer)
     start = runs.restore_state(state, load_optimizer, scheduler) if state else 0
-    if cfg.parallel == "ddp":  # the scheduler stays unprepared: accelerate would step it per process
+    # the scheduler stays unprepared: accelerate would step it once per process
+    if cfg.parallel == "ddp":
         policy, optimizer = accelerator.prepare(policy, optimizer)
         trained = policy
     learner = Learner(cfg, accelerator, policy, trained, tokenizer, optimizer, scheduler, domain,

@@ -9,8 +9,8 @@ forbids copying the candidate in), the sandbox runs it, and
     v_i = 1[ it ran cleanly  and  t_i ~ a_i  and  it did not copy a_i in ]
 
 ~ is tool_agrees (answers.is_equiv on t_i as printed and as sympy's LaTeX of it); copying is
-decided on the program's AST (machinery/guard.py). `verify_batch` does it for a step's rollouts in one
-verifier call and one sandbox batch, the paper's one program per rollout. Every rollout gets a
+decided on the program's AST (machinery/guard.py). `verify_batch` does it for a step's rollouts in
+one verifier call and one sandbox batch, the paper's one program per rollout. Every rollout gets a
 status:
     verified    v_i = 1                          no_answer   a_i is None: no verifier call
     mismatch    ran, printed something else      no_code     the reply holds no code block
@@ -71,9 +71,11 @@ STATUSES = ("verified", "repaired", "mismatch", "no_answer", "no_code", "exec_er
 def verify_batch(rollouts: list, known: list, verifier, pool, domain=None) -> list:
     """A Verification per rollout: `known` ones kept, every other one verified by one program, all
     of them in one verifier call and one sandbox batch (a rollout without an answer: no_answer).
-    verifier: [VerifierPrompt] -> [VerifierReply]; domain: what to prompt, run and compare (MATH)."""
+    verifier: [VerifierPrompt] -> [VerifierReply]; domain: what to prompt, run and compare
+    (MATH)."""
     domain = domain or MATH
-    todo = [i for i, (r, k) in enumerate(zip(rollouts, known)) if k is None and r.answer is not None]
+    todo = [i for i, (r, k) in enumerate(zip(rollouts, known))
+            if k is None and r.answer is not None]
     started = time.perf_counter()
     runs = run_programs([(rollouts[i], verifier_prompt(rollouts[i], domain)) for i in todo],
                         verifier, pool, domain)

@@ -92,6 +92,67 @@ class Interpreter:
         return calls
 
 
+class ToolRows:
+    """The kv sampler's decode hook for a wave's tool calls: the rows that closed a block, their
+    outputs appended to their cache rows (one forward, sampler.forward, over the output's tokens:
+    the row keeps its cache, nothing is prefilled again), and each row's tokens with the tool's
+    marked."""
+
+    def __init__(self, tools, n_rows: int, device):
+        self.tools = tools
+        self.triggers = torch.tensor(sorted(tools.triggers), dtype=torch.long, device=device)
+        self.made = [[] for _ in range(n_rows)]  # per wave row: (step, appended ids, ToolCall)
+        self.segment = [0] * n_rows              # per wave row: its first step after its output
+
+    def run(self, batch, tokens, out, step: int, room) -> list:
+        """The blocks that the tokens of `step` close, in live rows with calls and budget left
+        (room), run together: [(wave row, ToolCall)]."""
+        maybe = batch.alive & room & torch.isin(tokens, self.triggers)
+        codes, segments, rows = [], [], []
+        for row in batch.rows[maybe].tolist():
+            if len(self.made[row]) < self.tools.max_calls:
+                segment = out[row, self.segment[row]:step + 1].tolist()
+                code = self.tools.block_ends(segment)
+                if code is not None:
+                    codes.append(code), segments.append(segment), rows.append(row)
+        return list(zip(rows, self.tools.run(codes, segments))) if codes else []
+
+    def append(self, run, cache, batch, row: int, call, logits, limit: int, *, step: int, ends):
+        """Wave row `row`'s tool output into its cache row from its next column on, cut to fit the
+        cache (limit: its width); the row's logits become those after the output. A row the output
+        fills finishes."""
+        b = batch.rows.tolist().index(row)
+        column, first = int(batch.columns[b]), int(batch.start[b])
+        ids = call.token_ids[:limit - column]
+        self.made[row].append((step, ids, call))
+        self.segment[row] = step + 1
+        t = torch.arange(len(ids), device=logits.device)
+        keys = torch.arange(column + len(ids), device=logits.device)
+        mask = ((keys >= first) & (keys <= column + t[:, None]))[None, None]  # (1, 1, L, columns)
+        one_row = type(cache)(cache.k[:, b:b + 1], cache.v[:, b:b + 1])
+        logits[b] = sampler.forward(run.w, torch.tensor([ids], device=logits.device),
+                                    (column - first + t)[None], column + t, one_row, mask,
+                                    run.rotary)[0].float()
+        batch.aligned = False
+        # a row the output fills writes no more that is read
+        batch.columns[b] = min(column + len(ids), limit - 1)
+        if column + len(ids) >= limit:
+            batch.alive[b] = False
+            ends[row] = step + 1
+
+    def interleave(self, row: int, sampled: list[int]):
+        """(token_ids, tool_mask, tool_calls) of wave row `row`: its outputs between its sampled
+        tokens."""
+        tokens, mask, last = [], [], 0
+        for step, ids, _ in self.made[row]:
+            tokens += sampled[last:step + 1] + ids
+            mask += [False] * (step + 1 - last) + [True] * len(ids)
+            last = step + 1
+        tokens += sampled[last:]
+        mask += [False] * (len(sampled) - last)
+        return tokens, mask, [call for _, _, call in self.made[row]]
+
+
 def shown_output(result) -> str:
     """What the policy sees of a sandbox Result: its stdout (its end, when long), the last line of
     its error, or "timeout"."""
@@ -145,7 +206,7 @@ def generate(model, tokenizer, prompts, n, sampling_, seed, backend, tools):
         if backend == "kv-fast":
             from extensions import kv_fast
             rows = kv_fast.generate_rows(model, prompt_ids, n, sampling_, seeds, eos, "agent",
-                                         tools)
+                                         functools.partial(ToolRows, tools))
         else:
             if backend == "vllm":
                 from extensions import engine

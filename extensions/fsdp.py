@@ -82,7 +82,8 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 def refreshing(sample, trained, policy):
     """The sampling function with the copy brought up to the shards' weights first: one all-gather
-    per parameter, on every process (every process calls it, its share of questions empty or not)."""
+    per parameter, on every process (every process calls it, its share of questions empty or
+    not)."""
     def sample_refreshed(*args, **kwargs):
         with torch.no_grad():
             for target, source in zip(policy.parameters(), trained.parameters(), strict=True):

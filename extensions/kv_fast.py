@@ -1,5 +1,6 @@
-"""The kv sampler's fast path (--backend kv-fast): sampler.py's KV-cache sampler made fast and fit in
-memory, entered from sampler.generate at one call. What it adds to the plain loop:
+"""The kv sampler's fast path (--backend kv-fast): sampler.py's KV-cache sampler made fast and fit
+in memory, a generate of sampler.generate's signature that t3rl.generator picks at one call. What it
+adds to the plain loop:
 
     waves          rows in waves whose cache fits a memory budget (default: half the free memory)
     packing        on a CPU in bfloat16 each weight reordered once per call into oneDNN's blocked
@@ -11,7 +12,7 @@ memory, entered from sampler.generate at one call. What it adds to the plain loo
                    shares with another (prefix_plan), in batched chunks
     compaction     finished rows leave the batch once an eighth of it has finished
     tool rows      --agent: a row that closes a ```python block runs it, the output appended to its
-                   own cache (extensions/agent.py)
+                   own cache (the decode loop's hook, extensions/agent.py's ToolRows)
     compile        SETTINGS.compile: the decode step through torch.compile (CUDA graphs on a GPU)
 
 The tokens are those of the plain loop where the forward pass is batch-invariant (bfloat16 on CPUs);
@@ -56,9 +57,10 @@ def generate(model, tokenizer, prompts, n: int, sampling: Sampling, *, seed=None
 
 
 def generate_rows(model, prompt_ids, n: int, sampling: Sampling, seeds, eos, progress=None,
-                  tools=None) -> list:
-    """Row r samples for prompt r // n, in waves of rows that fit SETTINGS.memory_budget. tools:
-    an agent.Interpreter (extensions/agent.py), whose calls the decode loop runs (ToolRows)."""
+                  tool_rows=None) -> list:
+    """Row r samples for prompt r // n, in waves of rows that fit SETTINGS.memory_budget. tool_rows:
+    (n_rows, device) -> the decode loop's hook for a wave's tool calls (extensions/agent.py's
+    ToolRows)."""
     device = next(model.parameters()).device
     dtype = sampling.dtype or next(model.parameters()).dtype
     longest, steps, n_rows = max(map(len, prompt_ids)), sampling.max_new_tokens, len(prompt_ids) * n
@@ -76,7 +78,7 @@ def generate_rows(model, prompt_ids, n: int, sampling: Sampling, seeds, eos, pro
         label = progress and (progress if stop - start == n_rows
                               else f"{progress} (rows {start}-{stop - 1})")
         rows += decode_wave(run, [prompt_ids[r // n] for r in range(start, stop)], sampling,
-                            uniforms, label, tools)
+                            uniforms, label, tool_rows)
     del run, w  # the sampling copy of a training model, the caches: back to the system
     release_freed_memory()
     return rows
@@ -259,7 +261,7 @@ class Batch:
     aligned: bool = True
 
 
-def decode_wave(run, prompts, sampling: Sampling, uniforms, progress=None, tools=None):
+def decode_wave(run, prompts, sampling: Sampling, uniforms, progress=None, tool_rows=None):
     """A Completion for every row of one wave (run: kv_fast.Run): prompts[r] is row r's prompt (rows
     may share one), and row r draws its token j with uniforms[r, j] (None when greedy)."""
     n_rows, steps, device = len(prompts), sampling.max_new_tokens, run.device
@@ -276,9 +278,7 @@ def decode_wave(run, prompts, sampling: Sampling, uniforms, progress=None, tools
     out = torch.empty(n_rows, steps, dtype=torch.long, device=device)
     ends, reasons = [steps] * n_rows, ["length"] * n_rows  # tokens kept per row, why it ended
     logprobs = torch.zeros(n_rows, dtype=torch.float32, device=device)  # sum of log pi_T(drawn)
-    calls = None
-    if tools:
-        calls = ToolRows(tools, n_rows, device, forward)
+    calls = tool_rows(n_rows, device) if tool_rows else None  # agent.ToolRows
     bar = tqdm(total=steps, desc=progress, unit="tok", leave=False, disable=not progress)
     for j in range(steps):
         b = len(batch.rows)
@@ -494,64 +494,3 @@ def copy_columns(cache, rows, start: int, source, source_row: int, source_start:
     for mine, theirs in ((cache.k, source.k), (cache.v, source.v)):
         mine[:, rows, :, start:start + count] = theirs[:, source_row:source_row + 1, :,
                                                        source_start:source_start + count]
-
-
-class ToolRows:
-    """The kv sampler's decode hook for a wave's tool calls: the rows that closed a block, their
-    outputs appended to their cache rows (one forward, sampler.forward, over the output's tokens:
-    the row keeps its cache, nothing is prefilled again), and each row's tokens with the tool's
-    marked."""
-
-    def __init__(self, tools, n_rows: int, device, forward):
-        self.tools, self.forward = tools, forward
-        self.triggers = torch.tensor(sorted(tools.triggers), dtype=torch.long, device=device)
-        self.made = [[] for _ in range(n_rows)]  # per wave row: (step, appended ids, ToolCall)
-        self.segment = [0] * n_rows              # per wave row: its first step after its output
-
-    def run(self, batch, tokens, out, step: int, room) -> list:
-        """The blocks that the tokens of `step` close, in live rows with calls and budget left
-        (room), run together: [(wave row, ToolCall)]."""
-        maybe = batch.alive & room & torch.isin(tokens, self.triggers)
-        codes, segments, rows = [], [], []
-        for row in batch.rows[maybe].tolist():
-            if len(self.made[row]) < self.tools.max_calls:
-                segment = out[row, self.segment[row]:step + 1].tolist()
-                code = self.tools.block_ends(segment)
-                if code is not None:
-                    codes.append(code), segments.append(segment), rows.append(row)
-        return list(zip(rows, self.tools.run(codes, segments))) if codes else []
-
-    def append(self, run, cache, batch, row: int, call, logits, limit: int, *, step: int, ends):
-        """Wave row `row`'s tool output into its cache row from its next column on, cut to fit the
-        cache (limit: its width); the row's logits become those after the output. A row the output
-        fills finishes."""
-        b = batch.rows.tolist().index(row)
-        column, first = int(batch.columns[b]), int(batch.start[b])
-        ids = call.token_ids[:limit - column]
-        self.made[row].append((step, ids, call))
-        self.segment[row] = step + 1
-        t = torch.arange(len(ids), device=logits.device)
-        keys = torch.arange(column + len(ids), device=logits.device)
-        mask = ((keys >= first) & (keys <= column + t[:, None]))[None, None]  # (1, 1, L, columns)
-        one_row = type(cache)(cache.k[:, b:b + 1], cache.v[:, b:b + 1])
-        logits[b] = self.forward(run.w, torch.tensor([ids], device=logits.device),
-                                 (column - first + t)[None], column + t, one_row, mask,
-                                 run.rotary)[0].float()
-        batch.aligned = False
-        # a row the output fills writes no more that is read
-        batch.columns[b] = min(column + len(ids), limit - 1)
-        if column + len(ids) >= limit:
-            batch.alive[b] = False
-            ends[row] = step + 1
-
-    def interleave(self, row: int, sampled: list[int]):
-        """(token_ids, tool_mask, tool_calls) of wave row `row`: its outputs between its sampled
-        tokens."""
-        tokens, mask, last = [], [], 0
-        for step, ids, _ in self.made[row]:
-            tokens += sampled[last:step + 1] + ids
-            mask += [False] * (step + 1 - last) + [True] * len(ids)
-            last = step + 1
-        tokens += sampled[last:]
-        mask += [False] * (len(sampled) - last)
-        return tokens, mask, [call for _, _, call in self.made[row]]

@@ -34,10 +34,11 @@ Write the corrected Python program that computes the answer and prints it."""
 
 
 def several(rollouts, known, verifier, pool, domain, programs: int, repair: bool) -> list:
-    """verifier.verify_batch with `programs` programs per rollout and, with repair, one more turn for
-    each that failed: all programs in one verifier call and one sandbox batch, the repairs in one
-    more of each."""
-    todo = [i for i, (r, k) in enumerate(zip(rollouts, known)) if k is None and r.answer is not None]
+    """verifier.verify_batch with `programs` programs per rollout and, with repair, one more turn
+    for each that failed: all programs in one verifier call and one sandbox batch, the repairs in
+    one more of each."""
+    todo = [i for i, (r, k) in enumerate(zip(rollouts, known))
+            if k is None and r.answer is not None]
     started = time.perf_counter()
     asked = [(rollouts[i], verifier_prompt(dataclasses.replace(
         rollouts[i], seed=program_seed(rollouts[i].seed, j)), domain))

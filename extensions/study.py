@@ -559,9 +559,9 @@ def main(argv: list):
                 raise t3rl.OptionError(f"--omega {bad[0]}: must be in [1, inf]")
             print(replay(args.replay, args.omega))
         elif int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would sample it all
-            raise t3rl.OptionError("the study runs in one process (it never trains, nothing is split "
-                                   "over processes): start it with python -m extensions.study, not "
-                                   "accelerate launch or torchrun")
+            raise t3rl.OptionError("the study runs in one process (it never trains, nothing is "
+                                   "split over processes): start it with python -m "
+                                   "extensions.study, not accelerate launch or torchrun")
         else:
             run_study(study_config(argv, torch.cuda.is_available()))
     except (RunDirError, t3rl.OptionError, t3rl.runs.DataError) as err:

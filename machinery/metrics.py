@@ -208,7 +208,8 @@ def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float
     verified_maj@k (the weighted vote on the k samples, when verified: [k] verdicts) and the shares
     with no answer."""
     gold, k = rec["answer"], len(answers)
-    row = {"id": rec["id"], "level": rec.get("level"), "greedy@1": float(is_correct(greedy_answer, gold, domain)),
+    row = {"id": rec["id"], "level": rec.get("level"),
+           "greedy@1": float(is_correct(greedy_answer, gold, domain)),
            "greedy_no_answer": float(greedy_answer is None)}
     if k:
         row["runs"] = [float(is_correct(a, gold, domain)) for a in answers]  # [k]

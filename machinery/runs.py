@@ -2,9 +2,9 @@
 evaluations.jsonl, checkpoint/ and, until the run finishes, the one before it, checkpoint.old/),
 its trackers, its logs.
 
-Every file is replaced atomically (written aside, then renamed: `replacing`) or appended to, so a kill
-at any moment leaves a folder that --resume can continue: resume drops a half-written last JSONL
-line and the rows written after the checkpoint, sets a damaged newest checkpoint aside
+Every file is replaced atomically (written aside, then renamed: `replacing`) or appended to, so a
+kill at any moment leaves a folder that --resume can continue: resume drops a half-written last
+JSONL line and the rows written after the checkpoint, sets a damaged newest checkpoint aside
 (checkpoint.damaged/) and falls back to checkpoint.old/. Experiment trackers (--report-to, through
 accelerate) get every metrics row as well, from the main process; their x axis is updates done: the
 evaluation before training at 0, train row `step` s at s + 1.
@@ -128,9 +128,10 @@ def save_checkpoint(run_dir: Path, step: int, trained, tokenizer, optimizer, sch
 
 
 def finish_run(run_dir: Path) -> None:
-    """A finished run cannot resume: once checkpoint/ is whole, keep its final model (checkpoint/model,
-    a --model folder) and drop what only a resume reads, the optimizer's state (state.pt, twice the
-    weights under AdamW) and the fallback checkpoint.old/. Call on the main process only."""
+    """A finished run cannot resume: once checkpoint/ is whole, keep its final model
+    (checkpoint/model, a --model folder) and drop what only a resume reads, the optimizer's state
+    (state.pt, twice the weights under AdamW) and the fallback checkpoint.old/. Call on the main
+    process only."""
     if (run_dir / "checkpoint").is_dir() and checkpoint_damage(run_dir / "checkpoint") is None:
         shutil.rmtree(run_dir / "checkpoint.old", ignore_errors=True)
         (run_dir / "checkpoint" / "state.pt").unlink()
@@ -400,7 +401,8 @@ def sigterm_as_ctrl_c():
 
 
 # ------------------------------------------------------------------------------------------------
-# Files that survive a kill: written aside and renamed, or appended (a kill cuts at most a last line)
+# Files that survive a kill: written aside and renamed, or appended (a kill cuts at most a last
+# line)
 
 class DataError(ValueError):
     """A data file (a benchmark, or a run's JSON-lines) cannot be read; the message names the file,
