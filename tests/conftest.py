@@ -48,6 +48,13 @@ def pool():
         yield p
 
 
+@pytest.fixture(scope="module")
+def verify_pool():
+    """The verifier tests' pool: the default workers and limits, a 2 s timeout."""
+    with SandboxPool(timeout=2.0) as p:
+        yield p
+
+
 @pytest.fixture()
 def tiny_dir(tmp_path_factory, tokenizer):
     folder = tmp_path_factory.mktemp("tiny")

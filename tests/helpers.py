@@ -13,6 +13,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import t3rl
+from verifier import ToVerify
 
 
 class FakeHub(http.server.ThreadingHTTPServer):
@@ -117,6 +118,17 @@ class ScriptedVerifier:
         self.batches.append(list(prompts))
         out, self.completions = self.completions[:len(prompts)], self.completions[len(prompts):]
         return out
+
+
+# the question the verifier's tests verify rollouts of, a rollout of it, and programs for it
+PROBLEM = "What is the sum of the integers from 1 to 10?"
+ROLLOUT = "Pairing 1+10, 2+9, ... gives 5 pairs of 11, so the sum is $\\boxed{55}$."
+RIGHT, WRONG, RAISES = "print(sum(range(1, 11)))", "print(sum(range(1, 10)))", "print(55 / 0)"
+
+
+def rollouts(*answers, seed=None, step=-1):
+    """Rollouts of question q0 with these answers (the same reasoning), as the loop hands them over."""
+    return [ToVerify(PROBLEM, ROLLOUT, answer, "q0", seed, step) for answer in answers]
 
 
 GUARD_PROBLEM = "A club of 12 members picks 3 officers; each of the 11 committees meets 120 times. Find the count."

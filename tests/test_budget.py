@@ -3,27 +3,15 @@ import itertools
 import math
 import random
 
-import pytest
-
 from extensions import budget
 from extensions.budget import undecided_classes
-from helpers import ScriptedVerifier, verify_batch
-from sandbox import SandboxPool
+from helpers import PROBLEM, ROLLOUT, ScriptedVerifier, verify_batch
 from verifier import MATH
 from voting import weighted_vote
-
-PROBLEM = "What is the sum of the integers from 1 to 10?"
-ROLLOUT = "Pairing 1+10, 2+9, ... gives 5 pairs of 11, so the sum is $\\boxed{55}$."
 
 
 def block(code):
     return f"Here is the program.\n```python\n{code}\n```\nIt prints the result."
-
-
-@pytest.fixture(scope="module")
-def verify_pool():
-    with SandboxPool(timeout=2.0) as p:
-        yield p
 
 
 def every_outcome(verified):

@@ -11,90 +11,74 @@ from bench import verifier as bench_verifier
 from config import parse_config
 from extensions import budget
 from extensions.memory import VerdictMemory, open_memory, remembering
-from helpers import QUESTIONS, ScriptedVerifier, tiny_argv, write_bench
-from sandbox import SandboxPool
-from verifier import MATH, ToVerify, VerifierReply, verify_batch
-
-PROBLEM = "What is the sum of the integers from 1 to 10?"
-ROLLOUT = "Pairing 1+10, 2+9, ... gives 5 pairs of 11, so the sum is $\\boxed{55}$."
-RIGHT, WRONG, RAISES = "print(sum(range(1, 11)))", "print(sum(range(1, 10)))", "print(55 / 0)"
+from helpers import QUESTIONS, RAISES, RIGHT, WRONG, ScriptedVerifier, rollouts, tiny_argv, write_bench
+from verifier import MATH, VerifierReply, verify_batch
 
 
 def block(code):
     return f"```python\n{code}\n```"
 
 
-def rollouts(*answers, seed=None, step=-1):
-    """Rollouts of question q0 with these answers (the same reasoning), as the loop hands them over."""
-    return [ToVerify(PROBLEM, ROLLOUT, answer, "q0", seed, step) for answer in answers]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    with SandboxPool(timeout=2.0) as p:
-        yield p
-
-
 def memory(attempts=2):
     return VerdictMemory(MATH, attempts)
 
 
-def step(mem, answers, completions, pool, number, omega=None):
+def step(mem, answers, completions, verify_pool, number, omega=None):
     """One training step's verification of question q0's rollouts through the memory, which learns
     what it showed (omega: lazily, at that omega)."""
     verifier = ScriptedVerifier(*completions)
-    paper = functools.partial(verify_batch, verifier=verifier, pool=pool, domain=MATH)
+    paper = functools.partial(verify_batch, verifier=verifier, pool=verify_pool, domain=MATH)
     remembered = remembering(budget.budgeted(paper, 0, omega, MATH), mem, gather=lambda rows: rows)
     return remembered(rollouts(*answers, step=number), [None] * len(answers)), verifier
 
 
-def test_one_step_settles_no_class_and_two_that_agree_do(pool):
+def test_one_step_settles_no_class_and_two_that_agree_do(verify_pool):
     """A class's verdict is kept without a verifier call only once two steps in a row agreed on it;
     after one step every rollout is verified afresh, the right answer's failed class included."""
     mem = memory()
-    step(mem, ["55", "54"], [block(RAISES), block(WRONG)], pool, 0)  # both fail once
-    results, verifier = step(mem, ["55", "54"], [block(RIGHT), block(WRONG)], pool, 1)
+    step(mem, ["55", "54"], [block(RAISES), block(WRONG)], verify_pool, 0)  # both fail once
+    results, verifier = step(mem, ["55", "54"], [block(RIGHT), block(WRONG)], verify_pool, 1)
     assert [len(batch) for batch in verifier.batches] == [2]  # one failure settles nothing
     assert [(r.v, r.remembered) for r in results] == [(1, False), (0, False)]
     # 54 failed twice in a row: kept; 55 failed, then reproduced: verified afresh
-    results, verifier = step(mem, ["55", "54", "\\frac{108}{2}"], [block(RIGHT)], pool, 2)
+    results, verifier = step(mem, ["55", "54", "\\frac{108}{2}"], [block(RIGHT)], verify_pool, 2)
     assert [len(batch) for batch in verifier.batches] == [1]
     assert [(r.v, r.remembered) for r in results] == [(1, False), (0, True), (0, True)]
     # 55 reproduced twice in a row: kept, for every spelling of its class
-    results, verifier = step(mem, ["55", "\\frac{110}{2}"], [], pool, 3)
+    results, verifier = step(mem, ["55", "\\frac{110}{2}"], [], verify_pool, 3)
     assert verifier.batches == [] and [(r.v, r.remembered) for r in results] == [(1, True), (1, True)]
 
 
-def test_a_kept_verdict_is_the_last_steps_and_a_disagreeing_step_unsettles_nothing_kept(pool):
+def test_a_kept_verdict_is_the_last_steps_and_a_disagreeing_step_unsettles_nothing_kept(verify_pool):
     """Lessons come only from rollouts verified afresh: a kept class learns nothing more, so it keeps the
     verdict its last two steps agreed on, and a step's verdict on a class is one row, v = 1 when any of
     its rollouts was reproduced."""
     mem = memory()
-    step(mem, ["55", "55"], [block(WRONG), block(RIGHT)], pool, 0)
-    step(mem, ["55"], [block(RIGHT)], pool, 1)
+    step(mem, ["55", "55"], [block(WRONG), block(RIGHT)], verify_pool, 0)
+    step(mem, ["55"], [block(RIGHT)], verify_pool, 1)
     assert [row["v"] for _, row in mem.entry("q0", "55")["outcomes"]] == [1, 1]
-    results, _ = step(mem, ["55"], [], pool, 2)
+    results, _ = step(mem, ["55"], [], verify_pool, 2)
     assert results[0].remembered and mem.entry("q0", "55")["outcomes"][-1][0] == 1
     with pytest.raises(ValueError, match="at least 2 steps"):
         VerdictMemory(MATH, 1)
 
 
-def test_lazy_verification_with_a_memory_asks_only_what_can_change_the_label(pool):
+def test_lazy_verification_with_a_memory_asks_only_what_can_change_the_label(verify_pool):
     mem = memory()
-    step(mem, ["55"], [block(RIGHT)], pool, 0)
-    step(mem, ["55"], [block(RIGHT)], pool, 1)
+    step(mem, ["55"], [block(RIGHT)], verify_pool, 0)
+    step(mem, ["55"], [block(RIGHT)], verify_pool, 1)
     # 55 kept (weight 5) against one open 54 (at most 5, and fewer rollouts): decided
-    results, verifier = step(mem, ["55", "54"], [], pool, 2, omega=5.0)
+    results, verifier = step(mem, ["55", "54"], [], verify_pool, 2, omega=5.0)
     assert verifier.batches == [] and [r.status for r in results] == ["verified", "skipped"]
 
 
-def test_an_evaluation_verifies_afresh_and_teaches_nothing(pool):
+def test_an_evaluation_verifies_afresh_and_teaches_nothing(verify_pool):
     """Rollouts of an evaluation (step -1) take no remembered verdict and leave the memory as it was."""
     mem = memory()
-    step(mem, ["55"], [block(RIGHT)], pool, 0)
-    step(mem, ["55"], [block(RIGHT)], pool, 1)
+    step(mem, ["55"], [block(RIGHT)], verify_pool, 0)
+    step(mem, ["55"], [block(RIGHT)], verify_pool, 1)
     verifier = ScriptedVerifier(block(WRONG))
-    paper = functools.partial(verify_batch, verifier=verifier, pool=pool, domain=MATH)
+    paper = functools.partial(verify_batch, verifier=verifier, pool=verify_pool, domain=MATH)
     [result] = remembering(paper, mem, gather=lambda rows: rows)(rollouts("55"), [None])
     assert (result.v, result.remembered, len(verifier.batches)) == (0, False, 1)
     assert len(mem.entry("q0", "55")["outcomes"]) == 2

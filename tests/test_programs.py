@@ -3,43 +3,25 @@
 import functools
 from types import SimpleNamespace
 
-import pytest
-
 from extensions import budget, programs
-from helpers import ScriptedVerifier
+from helpers import RAISES, RIGHT, WRONG, ScriptedVerifier, rollouts
 from machinery.metrics import programs_written
-from sandbox import SandboxPool
-from verifier import MATH, ToVerify, verifier_prompt
-
-PROBLEM = "What is the sum of the integers from 1 to 10?"
-ROLLOUT = "Pairing 1+10, 2+9, ... gives 5 pairs of 11, so the sum is $\\boxed{55}$."
-RIGHT, WRONG, RAISES = "print(sum(range(1, 11)))", "print(sum(range(1, 10)))", "print(55 / 0)"
+from verifier import MATH, verifier_prompt
 
 
 def block(code):
     return f"```python\n{code}\n```"
 
 
-def rollouts(*answers, seed=None, step=-1):
-    """Rollouts of question q0 with these answers (the same reasoning), as the loop hands them over."""
-    return [ToVerify(PROBLEM, ROLLOUT, answer, "q0", seed, step) for answer in answers]
+def several(batch, verifier, verify_pool, programs, repair):
+    return globals()["programs"].several(batch, [None] * len(batch), verifier, verify_pool, MATH, programs, repair)
 
 
-@pytest.fixture(scope="module")
-def pool():
-    with SandboxPool(timeout=2.0) as p:
-        yield p
-
-
-def several(batch, verifier, pool, programs, repair):
-    return globals()["programs"].several(batch, [None] * len(batch), verifier, pool, MATH, programs, repair)
-
-
-def test_failed_programs_get_one_repair_call_that_shows_their_error(pool):
+def test_failed_programs_get_one_repair_call_that_shows_their_error(verify_pool):
     """Two rollouts whose programs raise and print nothing: one more verifier call holds both repair
     prompts, each with its program's error, and the verdicts say they were repaired."""
     verifier = ScriptedVerifier(block(RAISES), block("x = 55"), block(RIGHT), block(WRONG))
-    results = several(rollouts("55", "55"), verifier, pool, programs=1, repair=True)
+    results = several(rollouts("55", "55"), verifier, verify_pool, programs=1, repair=True)
     assert [len(batch) for batch in verifier.batches] == [2, 2]
     first, second = verifier.batches[1]
     assert "ZeroDivisionError" in first.user and "55 / 0" in first.user
@@ -48,22 +30,22 @@ def test_failed_programs_get_one_repair_call_that_shows_their_error(pool):
                                                                   (0, "mismatch", "mismatch")]
 
 
-def test_without_repair_a_raising_program_is_an_exec_error_and_one_call(pool):
+def test_without_repair_a_raising_program_is_an_exec_error_and_one_call(verify_pool):
     verifier = ScriptedVerifier(block(RAISES))
-    result = several(rollouts("55"), verifier, pool, programs=1, repair=False)[0]
+    result = several(rollouts("55"), verifier, verify_pool, programs=1, repair=False)[0]
     assert (result.v, result.status, result.repaired_from) == (0, "exec_error", None)
     assert len(verifier.batches) == 1
 
 
-def test_the_hardcoding_guard_judges_a_repaired_program(pool):
+def test_the_hardcoding_guard_judges_a_repaired_program(verify_pool):
     verifier = ScriptedVerifier(block(RAISES), block("print(55)"))
-    result = several(rollouts("55"), verifier, pool, programs=1, repair=True)[0]
+    result = several(rollouts("55"), verifier, verify_pool, programs=1, repair=True)[0]
     assert (result.v, result.status, result.repaired_from) == (0, "hardcoded", "exec_error")
 
 
-def test_a_mismatch_that_printed_a_value_is_not_repaired(pool):
+def test_a_mismatch_that_printed_a_value_is_not_repaired(verify_pool):
     verifier = ScriptedVerifier(block(WRONG))
-    result = several(rollouts("55"), verifier, pool, programs=1, repair=True)[0]
+    result = several(rollouts("55"), verifier, verify_pool, programs=1, repair=True)[0]
     assert (result.status, len(verifier.batches)) == ("mismatch", 1)
 
 
@@ -75,32 +57,32 @@ def test_repair_shows_the_last_lines_of_a_long_error_only():
     assert "line 99" in prompt.user and "line 92" in prompt.user and "line 91\n" not in prompt.user
 
 
-def test_k_programs_per_rollout_with_their_own_seeds_and_one_reproducing_is_enough(pool):
+def test_k_programs_per_rollout_with_their_own_seeds_and_one_reproducing_is_enough(verify_pool):
     """Three programs per rollout, each seeded apart (the first with the rollout's own seed), in one
     call; v is 1 when one of them reproduces a_i."""
     verifier = ScriptedVerifier(block(RIGHT), block(WRONG), block("print(5 * 11)"))
-    result = several(rollouts("55", seed=7), verifier, pool, programs=3, repair=False)[0]
+    result = several(rollouts("55", seed=7), verifier, verify_pool, programs=3, repair=False)[0]
     seeds = [p.seed for p in verifier.batches[0]]
     assert len(verifier.batches) == 1 and seeds[0] == 7 and len(set(seeds)) == 3
     assert result.v == 1 and result.status == "verified"
     assert [p["status"] for p in result.programs] == ["verified", "mismatch", "verified"]
 
 
-def test_a_rollout_no_program_reproduced_has_the_status_of_the_one_that_got_furthest(pool):
+def test_a_rollout_no_program_reproduced_has_the_status_of_the_one_that_got_furthest(verify_pool):
     """One of three programs ran and printed another value: the rollout is a mismatch that shows
     that program, not the first one's exec_error; it is an exec_error when none ran cleanly."""
     verifier = ScriptedVerifier(block(RAISES), block(WRONG), block(RAISES), block(RAISES),
                                 block("while True: pass"), block(RAISES))
-    ran, raised = several(rollouts("55", "55"), verifier, pool, programs=3, repair=False)
+    ran, raised = several(rollouts("55", "55"), verifier, verify_pool, programs=3, repair=False)
     assert [p["status"] for p in ran.programs] == ["exec_error", "mismatch", "exec_error"]
     assert (ran.v, ran.status, ran.code.strip()) == (0, "mismatch", WRONG)
     assert [p["status"] for p in raised.programs] == ["exec_error", "timeout", "exec_error"]
     assert (raised.v, raised.status, raised.code.strip()) == (0, "exec_error", RAISES)
 
 
-def test_programs_written_counts_repairs_and_no_inherited_verdict(pool):
+def test_programs_written_counts_repairs_and_no_inherited_verdict(verify_pool):
     verifier = ScriptedVerifier(block(RAISES), block(RIGHT), block(RIGHT), block(RIGHT))
-    repairing = functools.partial(programs.several, verifier=verifier, pool=pool, domain=MATH, programs=1,
+    repairing = functools.partial(programs.several, verifier=verifier, pool=verify_pool, domain=MATH, programs=1,
                                   repair=True)
     results = budget.budgeted(repairing, 1, None, MATH)(rollouts("55", "55", "55"), [None] * 3)
     assert [programs_written(r) for r in results] == [2, 0, 0]

@@ -7,8 +7,7 @@ import pytest
 
 import verifier as verifier_module
 from answers import is_equiv
-from helpers import ScriptedVerifier, verify_batch
-from sandbox import SandboxPool
+from helpers import PROBLEM, ROLLOUT, ScriptedVerifier, verify_batch
 from verifier import (
     MATH,
     MAX_ROLLOUT_CHARS,
@@ -22,11 +21,6 @@ from verifier import (
     tool_agrees,
     verifier_prompt,
 )
-
-PROBLEM = "What is the sum of the integers from 1 to 10?"
-
-
-ROLLOUT = "Pairing 1+10, 2+9, ... gives 5 pairs of 11, so the sum is $\\boxed{55}$."
 
 
 def block(code):
@@ -43,11 +37,6 @@ class CountingPool:
         self.calls += 1
         return self.pool.run_many(codes, timeout)
 
-
-@pytest.fixture(scope="module")
-def verify_pool():
-    with SandboxPool(timeout=2.0) as p:
-        yield p
 
 
 def verify_one(completion, answer, pool, **options):
