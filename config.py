@@ -175,6 +175,11 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def fsdp_launched() -> bool:
+    """Whether accelerate launched this process with an FSDP config."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
+
+
 def parse_config(argv=None, gpu: bool = False) -> Config:
     """The checked Config of a command line: Config's defaults, the preset (auto: paper with a GPU,
     cpu without), the options typed (or, with --resume, the run's saved config.json and the options
@@ -210,7 +215,7 @@ def new_config(given: dict, gpu: bool) -> Config:
     if preset == "paper":  # the engine where it is installed, else the kv sampler's fast path
         values.update(backend="vllm" if importlib.util.find_spec("vllm") else "kv-fast",
                       eval_samples=16 if bench == "aime2024" else cfg.eval_samples)
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1"):
+    if fsdp_launched():
         values["parallel"] = "fsdp"  # accelerate launch with an FSDP config
     for key, value in {**values, **given, "preset": preset}.items():
         setattr(cfg, key, value)
@@ -278,8 +283,7 @@ def check_config(cfg: Config):
     if cfg.eval_cache not in ("auto", "none") and cache.exists() and not cache.is_dir():
         raise OptionError(f"--eval-cache {cfg.eval_cache}: a file, not a folder; pass a folder (it "
                           f"is created), auto or none")
-    fsdp_asked = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")
-    if fsdp_asked and cfg.parallel != "fsdp":
+    if fsdp_launched() and cfg.parallel != "fsdp":
         raise OptionError(f"--parallel {cfg.parallel}: accelerate's config asks for FSDP; pass "
                           f"--parallel fsdp, or launch with a config without FSDP")
     if cfg.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:

@@ -74,15 +74,21 @@ def verify_batch(rollouts: list, known: list, verifier, pool, domain=None) -> li
     verifier: [VerifierPrompt] -> [VerifierReply]; domain: what to prompt, run and compare
     (MATH)."""
     domain = domain or MATH
+    return verify_unknown(rollouts, known, lambda todo: run_programs(
+        [(r, verifier_prompt(r, domain)) for r in todo], verifier, pool, domain))
+
+
+def verify_unknown(rollouts: list, known: list, verify) -> list:
+    """A Verification per rollout: `known` ones kept, one without an answer no_answer, the others
+    from verify([ToVerify]) -> [Verification] in one call, each with its share of the call's time."""
     todo = [i for i, (r, k) in enumerate(zip(rollouts, known))
             if k is None and r.answer is not None]
     started = time.perf_counter()
-    runs = run_programs([(rollouts[i], verifier_prompt(rollouts[i], domain)) for i in todo],
-                        verifier, pool, domain)
+    verdicts = verify([rollouts[i] for i in todo])
     seconds = (time.perf_counter() - started) / max(len(todo), 1)
     results = list(known)
-    for i, run in zip(todo, runs):
-        results[i] = replace(run, seconds=seconds)
+    for i, verdict in zip(todo, verdicts):
+        results[i] = replace(verdict, seconds=seconds)
     return [Verification(0, "no_answer", None) if r.answer is None else result
             for r, result in zip(rollouts, results)]
 

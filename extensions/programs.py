@@ -8,9 +8,8 @@ for one program, at 3.2x its time (docs/verifier.md).
 """
 import dataclasses
 import hashlib
-import time
 
-from verifier import Verification, run_programs, verifier_prompt
+from verifier import run_programs, verifier_prompt, verify_unknown
 
 REPRODUCED = ("verified", "repaired")  # a clean program printed a_i and did not copy it in
 # a rollout none of whose programs reproduced a_i takes the status of the one that got furthest:
@@ -37,24 +36,17 @@ def several(rollouts, known, verifier, pool, domain, programs: int, repair: bool
     """verifier.verify_batch with `programs` programs per rollout and, with repair, one more turn
     for each that failed: all programs in one verifier call and one sandbox batch, the repairs in
     one more of each."""
-    todo = [i for i, (r, k) in enumerate(zip(rollouts, known))
-            if k is None and r.answer is not None]
-    started = time.perf_counter()
-    asked = [(rollouts[i], verifier_prompt(dataclasses.replace(
-        rollouts[i], seed=program_seed(rollouts[i].seed, j)), domain))
-        for i in todo for j in range(programs)]
-    runs = run_programs(asked, verifier, pool, domain)
-    failed = [k for k, run in enumerate(runs) if repair and needs_repair(run, domain)]
-    fixes = run_programs([(asked[k][0], repair_prompt(asked[k], runs[k], domain)) for k in failed],
-                         verifier, pool, domain)
-    for k, fix in zip(failed, fixes):
-        runs[k] = repaired(runs[k], fix)
-    seconds = (time.perf_counter() - started) / max(len(todo), 1)
-    results = list(known)
-    for n, i in enumerate(todo):
-        results[i] = combine(runs[n * programs:(n + 1) * programs], seconds)
-    return [Verification(0, "no_answer", None) if r.answer is None else result
-            for r, result in zip(rollouts, results)]
+    def verify_todo(todo):
+        asked = [(r, verifier_prompt(dataclasses.replace(r, seed=program_seed(r.seed, j)), domain))
+                 for r in todo for j in range(programs)]
+        runs = run_programs(asked, verifier, pool, domain)
+        failed = [k for k, run in enumerate(runs) if repair and needs_repair(run, domain)]
+        fixes = run_programs([(asked[k][0], repair_prompt(asked[k], runs[k], domain))
+                              for k in failed], verifier, pool, domain)
+        for k, fix in zip(failed, fixes):
+            runs[k] = repaired(runs[k], fix)
+        return [combine(runs[n * programs:(n + 1) * programs]) for n in range(len(todo))]
+    return verify_unknown(rollouts, known, verify_todo)
 
 
 def program_seed(seed, j: int):
@@ -96,14 +88,14 @@ def repaired(first, fix):
                                tool_seconds=first.tool_seconds + fix.tool_seconds)
 
 
-def combine(runs, seconds: float):
+def combine(runs):
     """One rollout's Verification from its programs': v = 1 when any reproduced a_i; the first that
     did (else the one that got furthest) speaks for it, the tokens are all of theirs."""
     reproduced = [run for run in runs if run.status in REPRODUCED]
     speaker = reproduced[0] if reproduced else min(runs, key=lambda r: FURTHEST.index(r.status))
     tokens = [run.tokens for run in runs]
     return dataclasses.replace(
-        speaker, v=int(bool(reproduced)), seconds=seconds,
+        speaker, v=int(bool(reproduced)),
         tokens=None if None in tokens else sum(tokens),
         tool_seconds=sum(run.tool_seconds for run in runs),
         programs=[{"status": run.status, "v": run.v, "repaired_from": run.repaired_from,
