@@ -18,6 +18,7 @@ the paper enters, at one call (extensions/). What is not the method lives in mac
     accelerate launch t3rl.py --bench math500       # the paper's setting on GPUs
     torchrun --nproc_per_node 2 t3rl.py             # several processes on CPUs (gloo)
 """
+import contextlib
 import functools
 import hashlib
 import random
@@ -96,6 +97,7 @@ class Learner:
     evaluate: object = None       # (records, step) -> each question's evaluation row
     ref_model: torch.nn.Module | None = None  # the starting policy, for the KL term
     before_update: list = field(default_factory=list)  # extensions' memory given back
+    releases: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # at the run's end
     monitors: dict = field(default_factory=dict)  # name -> (group, answers) -> a step's stats
     full_state: object = None     # (trained, optimizer) -> both in full, for a checkpoint (FSDP)
 
@@ -258,7 +260,7 @@ def train(cfg: Config, gpu: bool = False) -> Path:
         with clock("load"):
             learner, start = setup(cfg, accelerator, records, batches, pool)
         log = runs.metrics_logger(learner.run_dir, accelerator)
-        with runs.tracking(accelerator, cfg, learner.run_dir, start):
+        with runs.tracking(accelerator, cfg, learner.run_dir, start), learner.releases:
             if start == 0:
                 with clock("evaluation"):
                     log_evaluation(learner, questions, 0, log, coverage, final=not batches)
@@ -344,6 +346,7 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
         engine.start(accelerator.unwrap_model(policy), tokenizer, getattr(torch, cfg.sample_dtype),
                      sleeps=True)
         learner.before_update.append(engine.sleep)
+        learner.releases.callback(engine.stop)
     if cfg.eval_cache != "none":  # the evaluation before training, kept for a later run
         from extensions import eval_cache
         learner.evaluate = eval_cache.cached(learner.evaluate, cfg, accelerator)

@@ -1,8 +1,9 @@
 """Sample on vLLM, colocated: one inference engine per model per process, its weights synced from
 the trainer.
 
-    start(model, tokenizer, dtype, sleeps=True)       # t3rl.setup, on every process
-    sampler.generate(model, tokenizer, prompts, n, Sampling(...), backend="vllm")   # then
+    start(model, tokenizer, dtype, sleeps=True)           # t3rl.setup, on every process
+    generate(model, tokenizer, prompts, n, Sampling(...))   # t3rl.generator's, then
+    stop()                                                # when the run ends
 
 What an RL library does with an engine, and how it is done here (TRL's colocate mode, verl's hybrid
 engine):
@@ -15,14 +16,19 @@ engine):
   - Log-probabilities: each sampled token's, as the engine sampled it (after temperature, top-p).
   - Started up front, on every process. GPUs: GPU_MEMORY_UTILIZATION (0.3) per engine, the
     policy's asleep during the update. CPUs: a fixed KV-cache budget, eager mode.
+  - Shut down when the run ends, so that a process can run again.
 
 Not done here: vLLM's server mode (a separate GPU for the engine, weights over NCCL), tensor
 parallelism, and prompt log-probs. `python -m bench.engine` measures this backend beside "hf" and
 "kv". The design in full: docs/distributed.md#the-vllm-engine.
 """
+import contextlib
+import gc
+import importlib
 import os
 import sys
 import tempfile
+import threading
 import time
 import weakref
 
@@ -85,10 +91,36 @@ def generate(model, tokenizer, prompts, n: int, sampling, *, seed=None, progress
     return [rows[p * n:(p + 1) * n] for p in range(len(prompt_ids))]
 
 
+def stop():
+    """Shut down this process's engines and give their memory back: the run that started them has
+    ended, and the process may start another."""
+    for engine in list(_ENGINES.values()):
+        engine.llm.llm_engine.engine_core.shutdown()
+        del engine.llm
+    _ENGINES.clear()
+    gc.collect()
+
+
 def sleep():
     """Free the engines' GPU memory for the update; a no-op where sleep mode is off (CPUs)."""
     for engine in list(_ENGINES.values()):
         engine.sleep()
+
+
+def import_vllm():
+    """The vllm package, its LLM imported the first time in a thread of its own: vLLM keeps the
+    ImportError of an optional package (torchcodec) with its traceback, whose frames would keep the
+    importing call's callers alive, and with them a finished run's models."""
+    def import_llm():
+        with contextlib.suppress(ImportError):  # raised again below, in the caller's thread
+            importlib.import_module("vllm.entrypoints.llm")
+
+    if "vllm.entrypoints.llm" not in sys.modules:
+        thread = threading.Thread(target=import_llm)
+        thread.start()
+        thread.join()
+    import vllm as package
+    return package
 
 
 def check_memory(total: int, trainer: int, engines: list) -> tuple:
@@ -150,7 +182,7 @@ class Engine:
                                     "start the others with sleeps=False")
         for name, value in ENGINE_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
-        from vllm import LLM
+        LLM = import_vllm().LLM
         started = time.perf_counter()
         self.dtype, self.synced, self.asleep, self.syncs = dtype, None, False, 0
         self.frozen = frozen
@@ -248,7 +280,7 @@ def _params(sampling, max_tokens: int, seed: int, eos_ids, n: int = 1, stop: str
     """One request's SamplingParams: sampler.Sampling's temperature and top-p (greedy when 0: no
     seed, no nucleus), ending at eos_ids (none: sample to max_tokens) or after stop, kept in the
     output."""
-    from vllm import SamplingParams
+    SamplingParams = import_vllm().SamplingParams
     greedy = sampling.temperature == 0
     return SamplingParams(n=n, max_tokens=max_tokens, temperature=sampling.temperature,
                           top_p=1.0 if greedy else sampling.top_p, top_k=0,

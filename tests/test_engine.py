@@ -46,10 +46,13 @@ def tiny_engine_model(vocab_size: int):
     return model
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="class")
 def policy():
+    """The embedded 0.5B policy, for the tests in TestTheEmbeddedPolicy; its engine is shut down after them,
+    before the runs below start theirs."""
     from machinery.model import load_model
-    return load_model("embedded")
+    yield load_model("embedded")
+    engine.stop()
 
 
 @pytest.fixture()
@@ -60,69 +63,72 @@ def engine_dir(tmp_path_factory, tokenizer):
     return folder
 
 
-def test_greedy_rows_equal_transformers_greedy_and_end_at_eos(policy):
-    model, tokenizer = policy
-    prompts = chat_prompts(tokenizer)
-    served = sample(model, tokenizer, prompts, n=2, max_new_tokens=32, temperature=0, backend="vllm",
-                      dtype=torch.float32)
-    reference = sample(model, tokenizer, prompts, n=1, max_new_tokens=32, temperature=0, backend="hf")
-    eos = model.generation_config.eos_token_id
-    for prompt, group, (ref,) in zip(prompts, served, reference):
-        assert [c.token_ids for c in group] == [ref.token_ids] * 2
-        assert group[0].finish_reason == "eos" and group[0].token_ids[-1] == eos
-        assert group[0].text == tokenizer.decode(ref.token_ids, skip_special_tokens=True)
-        assert group[0].prompt_ids == tokenizer(prompt, add_special_tokens=False).input_ids
-    assert "5" in served[1][0].text
+class TestTheEmbeddedPolicy:
+    """Sampling on the engine against transformers, on the embedded 0.5B policy."""
+
+    def test_greedy_rows_equal_transformers_greedy_and_end_at_eos(self, policy):
+        model, tokenizer = policy
+        prompts = chat_prompts(tokenizer)
+        served = sample(model, tokenizer, prompts, n=2, max_new_tokens=32, temperature=0, backend="vllm",
+                          dtype=torch.float32)
+        reference = sample(model, tokenizer, prompts, n=1, max_new_tokens=32, temperature=0, backend="hf")
+        eos = model.generation_config.eos_token_id
+        for prompt, group, (ref,) in zip(prompts, served, reference):
+            assert [c.token_ids for c in group] == [ref.token_ids] * 2
+            assert group[0].finish_reason == "eos" and group[0].token_ids[-1] == eos
+            assert group[0].text == tokenizer.decode(ref.token_ids, skip_special_tokens=True)
+            assert group[0].prompt_ids == tokenizer(prompt, add_special_tokens=False).input_ids
+        assert "5" in served[1][0].text
 
 
-def test_seeded_samples_repeat_whatever_they_are_batched_with(policy):
-    model, tokenizer = policy
-    prompts = chat_prompts(tokenizer, OPEN)
-    options = dict(n=4, max_new_tokens=12, temperature=1.0, top_p=1.0, backend="vllm", dtype=torch.float32)
-    both = sample(model, tokenizer, prompts, seed=[11, 12], **options)
-    alone = sample(model, tokenizer, prompts[1:], seed=[12], **options)
-    other = sample(model, tokenizer, prompts[1:], seed=[13], **options)
-    assert [c.token_ids for c in both[1]] == [c.token_ids for c in alone[0]]
-    assert [c.token_ids for c in other[0]] != [c.token_ids for c in alone[0]]
-    assert len({tuple(c.token_ids) for c in both[0]}) > 1  # n samples of a prompt are n draws, not one repeated
-    for c in both[0] + both[1]:
-        assert len(c.token_logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.token_logprobs)
-        assert c.logprob == pytest.approx(sum(c.token_logprobs))
+    def test_seeded_samples_repeat_whatever_they_are_batched_with(self, policy):
+        model, tokenizer = policy
+        prompts = chat_prompts(tokenizer, OPEN)
+        options = dict(n=4, max_new_tokens=12, temperature=1.0, top_p=1.0, backend="vllm", dtype=torch.float32)
+        both = sample(model, tokenizer, prompts, seed=[11, 12], **options)
+        alone = sample(model, tokenizer, prompts[1:], seed=[12], **options)
+        other = sample(model, tokenizer, prompts[1:], seed=[13], **options)
+        assert [c.token_ids for c in both[1]] == [c.token_ids for c in alone[0]]
+        assert [c.token_ids for c in other[0]] != [c.token_ids for c in alone[0]]
+        assert len({tuple(c.token_ids) for c in both[0]}) > 1  # n samples of a prompt are n draws, not one repeated
+        for c in both[0] + both[1]:
+            assert len(c.token_logprobs) == len(c.token_ids) and all(lp <= 0 for lp in c.token_logprobs)
+            assert c.logprob == pytest.approx(sum(c.token_logprobs))
 
 
-def test_engine_logprobs_are_the_trainers_at_the_sampling_temperature(policy):
-    """Without top-p the engine's log-prob of each drawn token is log softmax(logits / T), as the trainer
-    computes it (float32 on both sides: equal to rounding)."""
-    model, tokenizer = policy
-    prompts = chat_prompts(tokenizer, OPEN)
-    groups = sample(model, tokenizer, prompts, n=2, max_new_tokens=16, temperature=0.7, top_p=1.0, seed=[1, 2],
-                      backend="vllm", dtype=torch.float32)
-    rollouts = [c for group in groups for c in group]
-    batch = pad_batch([c.prompt_ids for c in rollouts], [c.token_ids for c in rollouts])
-    with torch.no_grad():
-        trainer = token_logprobs(model, *batch, temperature=0.7)[0][batch[2]]
-    served = torch.tensor([lp for c in rollouts for lp in c.token_logprobs])
-    assert (trainer - served).abs().max() < 2e-3
+    def test_engine_logprobs_are_the_trainers_at_the_sampling_temperature(self, policy):
+        """Without top-p the engine's log-prob of each drawn token is log softmax(logits / T), as the trainer
+        computes it (float32 on both sides: equal to rounding)."""
+        model, tokenizer = policy
+        prompts = chat_prompts(tokenizer, OPEN)
+        groups = sample(model, tokenizer, prompts, n=2, max_new_tokens=16, temperature=0.7, top_p=1.0, seed=[1, 2],
+                          backend="vllm", dtype=torch.float32)
+        rollouts = [c for group in groups for c in group]
+        batch = pad_batch([c.prompt_ids for c in rollouts], [c.token_ids for c in rollouts])
+        with torch.no_grad():
+            trainer = token_logprobs(model, *batch, temperature=0.7)[0][batch[2]]
+        served = torch.tensor([lp for c in rollouts for lp in c.token_logprobs])
+        assert (trainer - served).abs().max() < 2e-3
 
 
-def test_agent_rollouts_on_the_engine_run_the_blocks_like_transformers(policy, pool):
-    """The engine stops a row after a fence, and sample_with_tools appends the block's output and samples on: the
-    same greedy rollouts as transformers with its stopping criterion, and sampled ones with a log-prob for
-    each token the policy sampled (none for the tool's)."""
-    model, tokenizer = policy
-    prompt = t3rl.policy_prompt(tokenizer, "What is $123 \\times 456 + 789$?",
-                                MATH.instruction + agent.TOOL_INSTRUCTION)
-    tools = agent.Interpreter(tokenizer, pool, max_calls=2)
-    [[served]], [[reference]] = (agent.generate(model, tokenizer, [prompt], 1, Sampling(
-        200, 0.0, dtype=torch.float32 if backend == "vllm" else None), None, backend, tools)
-        for backend in ("vllm", "hf"))
-    assert [c.output for c in served.tool_calls] == ["56877"]
-    assert (served.token_ids, served.tool_mask) == (reference.token_ids, reference.tool_mask)
-    assert "```output\n56877\n```" in served.text
-    [sampled] = agent.generate(model, tokenizer, [prompt], 2, Sampling(200, 0.6, dtype=torch.float32), 1, "vllm",
-                               tools)
-    for c in sampled:
-        assert len(c.token_logprobs) == c.tool_mask.count(False)
+    def test_agent_rollouts_on_the_engine_run_the_blocks_like_transformers(self, policy, pool):
+        """The engine stops a row after a fence, and sample_with_tools appends the block's output and samples on: the
+        same greedy rollouts as transformers with its stopping criterion, and sampled ones with a log-prob for
+        each token the policy sampled (none for the tool's)."""
+        model, tokenizer = policy
+        prompt = t3rl.policy_prompt(tokenizer, "What is $123 \\times 456 + 789$?",
+                                    MATH.instruction + agent.TOOL_INSTRUCTION)
+        tools = agent.Interpreter(tokenizer, pool, max_calls=2)
+        [[served]], [[reference]] = (agent.generate(model, tokenizer, [prompt], 1, Sampling(
+            200, 0.0, dtype=torch.float32 if backend == "vllm" else None), None, backend, tools)
+            for backend in ("vllm", "hf"))
+        assert [c.output for c in served.tool_calls] == ["56877"]
+        assert (served.token_ids, served.tool_mask) == (reference.token_ids, reference.tool_mask)
+        assert "```output\n56877\n```" in served.text
+        [sampled] = agent.generate(model, tokenizer, [prompt], 2, Sampling(200, 0.6, dtype=torch.float32), 1, "vllm",
+                                   tools)
+        for c in sampled:
+            assert len(c.token_logprobs) == c.tool_mask.count(False)
 
 
 def test_the_engine_follows_each_update_and_only_then_reloads(engine_dir, tokenizer):
@@ -187,6 +193,49 @@ def test_a_resumed_run_samples_from_the_checkpoints_weights(engine_dir, tmp_path
     assert step_two(resumed) == step_two(whole)
     assert step_two(unmoved) != step_two(whole)
 
+
+
+FREED = """import gc
+import sys
+import weakref
+sys.path.insert(0, {root!r})
+import dataclasses
+import t3rl
+import verifier
+from extensions import engine
+from machinery import model as models
+verifier.MATH = dataclasses.replace(verifier.MATH, extract=lambda text, problem: str(len(text) % 3))
+loaded, load_model = [], models.load_model
+
+
+def recorded(*args, **kwargs):
+    model, tokenizer = load_model(*args, **kwargs)
+    loaded.append(weakref.ref(model))
+    return model, tokenizer
+
+
+models.load_model = recorded
+t3rl.main()
+gc.collect()
+print(f"after the run: {{len(engine._ENGINES)}} engines, {{sum(m() is not None for m in loaded)}} of "
+      f"{{len(loaded)}} models alive")
+"""
+
+
+def test_a_finished_run_gives_back_its_engines_and_models(engine_dir, tmp_path):
+    """A process's first run on the engines (the policy's and the verifier's): when train() returns, both engines
+    are shut down and nothing keeps the run's models alive, so that the process can run again."""
+    write_bench(tmp_path / "data", QUESTIONS[:2])
+    script = tmp_path / "freed.py"
+    script.write_text(FREED.format(root=str(ROOT)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data")}
+    argv = tiny_argv(engine_dir, tmp_path / "out", questions_per_step=2, max_steps=1, eval_samples=0,
+                     backend="vllm", sample_dtype="float32")
+    done = subprocess.run([sys.executable, str(script), *argv], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "[engine] vLLM engine for Qwen2ForCausalLM" in done.stderr  # it sampled on engines
+    assert "after the run: 0 engines, 0 of 2 models alive" in done.stdout
 
 
 STARTED = """import sys
