@@ -93,7 +93,11 @@ def generate(model, tokenizer, prompts, n: int, sampling, *, seed=None, progress
 
 def stop():
     """Shut down this process's engines and give their memory back: the run that started them has
-    ended, and the process may start another."""
+    ended, and the process may start another. Not in a launched process: there vLLM's shutdown would
+    tear down the process group its engines share with the launcher's, which the process still
+    uses; its engines end with it."""
+    if executor(os.environ):
+        return
     for engine in list(_ENGINES.values()):
         engine.llm.llm_engine.engine_core.shutdown()
         del engine.llm
