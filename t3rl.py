@@ -100,6 +100,7 @@ class Learner:
     releases: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # at the run's end
     monitors: dict = field(default_factory=dict)  # name -> (group, answers) -> a step's stats
     full_state: object = None     # (trained, optimizer) -> both in full, for a checkpoint (FSDP)
+    load_optimizer: object = None  # state -> None: a resume's, onto the shards (FSDP)
 
 
 @dataclass
@@ -308,33 +309,29 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     if cfg.kl_coef > 0:
         ref_model = models.load_model(cfg.model)[0].requires_grad_(False).to(accelerator.device)
     policy.train()
-    trained = policy
-    if cfg.parallel == "fsdp":  # the update trains the shards, the samplers read a full copy
-        from extensions import fsdp
-        trained, policy, ref_model = fsdp.shard_models(policy, ref_model, cfg, accelerator.device)
-    optimizer, scheduler = make_optimization(trained, cfg, total_steps=max(len(batches), 1))
-    load_optimizer = optimizer.load_state_dict
-    if cfg.parallel == "fsdp":  # the checkpoint's full state, scattered onto the shards
-        load_optimizer = functools.partial(fsdp.restore_optimizer, trained, optimizer)
-    start = runs.restore_state(state, load_optimizer, scheduler) if state else 0
-    # the scheduler stays unprepared: accelerate would step it once per process
-    if cfg.parallel == "ddp":
-        policy, optimizer = accelerator.prepare(policy, optimizer)
-        trained = policy
-    learner = Learner(cfg, accelerator, policy, trained, tokenizer, optimizer, scheduler, domain,
-                      run_dir, ref_model=ref_model)
+    learner = Learner(cfg, accelerator, policy, policy, tokenizer, None, None, domain, run_dir,
+                      ref_model=ref_model)
     learner.sample = functools.partial(sample_groups, learner)
     learner.evaluate = lambda records, step: evaluate(learner, records)
     if cfg.agent:  # TTRL-Agent: the policy runs its own python blocks in the sandbox
         from extensions import agent
         learner.sample = agent.sampling(learner, pool, policy_prompt)
         learner.monitors["agent"] = agent.agent_monitors
-    if cfg.parallel == "fsdp":  # sampling reads the shards gathered, checkpoints save them whole
-        learner.sample = fsdp.refreshing(learner.sample, trained, policy)
-        learner.full_state = fsdp.full_state
+    if cfg.parallel == "fsdp":  # the update trains shards, the samplers read a full copy of them
+        from extensions import fsdp
+        fsdp.shard(learner)
+    learner.optimizer, learner.scheduler = make_optimization(learner.trained, cfg,
+                                                             total_steps=max(len(batches), 1))
+    load_optimizer = learner.load_optimizer or learner.optimizer.load_state_dict
+    start = runs.restore_state(state, load_optimizer, learner.scheduler) if state else 0
+    # the scheduler stays unprepared: accelerate would step it once per process
+    if cfg.parallel == "ddp":
+        learner.policy, learner.optimizer = accelerator.prepare(learner.policy,
+                                                                 learner.optimizer)
+        learner.trained = learner.policy
     prompts = [(rec["id"], policy_prompt(tokenizer, rec["problem"], domain.instruction))
                for rec in records]
-    runs.check_prompts_fit(prompts, tokenizer, accelerator.unwrap_model(policy), cfg)
+    runs.check_prompts_fit(prompts, tokenizer, accelerator.unwrap_model(learner.policy), cfg)
     learner.verify = build_verify(cfg, accelerator, pool, domain, start) if (
         cfg.verifier_model != "none" and (batches or cfg.eval_samples)) else None
     if cfg.backend == "kv-fast":  # its kept verifier weights go while the policy updates
@@ -342,11 +339,7 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
         learner.before_update.append(kv_fast.sleep)
     if cfg.backend == "vllm":  # the policy's engine now, on every process, asleep in the update
         from extensions import engine
-        engine.check_gpu_memory(policy, learner.verify is not None, cfg.parallel, accelerator)
-        engine.start(accelerator.unwrap_model(policy), tokenizer, getattr(torch, cfg.sample_dtype),
-                     sleeps=True)
-        learner.before_update.append(engine.sleep)
-        learner.releases.callback(engine.stop)
+        engine.serve_policy(learner)
     if cfg.eval_cache != "none":  # the evaluation before training, kept for a later run
         from extensions import eval_cache
         learner.evaluate = eval_cache.cached(learner.evaluate, cfg, accelerator)

@@ -1,9 +1,8 @@
 """Sample on vLLM, colocated: one inference engine per model per process, its weights synced from
 the trainer.
 
-    start(model, tokenizer, dtype, sleeps=True)           # t3rl.setup, on every process
-    generate(model, tokenizer, prompts, n, Sampling(...))   # t3rl.generator's, then
-    stop()                                                # when the run ends
+    serve_policy(learner)      # t3rl.setup: start(policy, ..., sleeps=True), stop() at the end
+    generate(model, tokenizer, prompts, n, Sampling(...))   # t3rl.generator's
 
 What an RL library does with an engine, and how it is done here (TRL's colocate mode, verl's hybrid
 engine):
@@ -77,6 +76,18 @@ def start(model, tokenizer, dtype: torch.dtype | None = None, *, sleeps: bool = 
         dtype = dtype or next(model.parameters()).dtype
         engine = _ENGINES[model] = Engine(model, tokenizer, dtype, sleeps, frozen)
     return engine
+
+
+def serve_policy(learner):
+    """t3rl.setup's one call for --backend vllm: the policy's engine started now on every process
+    (once the GPU's memory is seen to fit), asleep during each update, shut down when the run
+    ends."""
+    cfg, accelerator = learner.cfg, learner.accelerator
+    check_gpu_memory(learner.policy, learner.verify is not None, cfg.parallel, accelerator)
+    start(accelerator.unwrap_model(learner.policy), learner.tokenizer,
+          getattr(torch, cfg.sample_dtype), sleeps=True)
+    learner.before_update.append(sleep)
+    learner.releases.callback(stop)
 
 
 def generate(model, tokenizer, prompts, n: int, sampling, *, seed=None, progress=None) -> list:

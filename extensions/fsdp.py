@@ -1,10 +1,8 @@
 """--parallel fsdp: the policy sharded over the processes with torch's FSDP2 (fully_shard), beside
-DDP's replicas. Enters in t3rl.setup, under its one `if cfg.parallel == "fsdp"` per stage:
+DDP's replicas. Enters in t3rl.setup at one call, before the optimizer is made:
 
-    trained, policy, ref = shard_models(policy, ref, cfg, device)  # before the optimizer
-    load_optimizer = partial(restore_optimizer, trained, optimizer)  # a resume scatters the state
-    learner.sample = refreshing(learner.sample, trained, policy)   # the copy follows the shards
-    learner.full_state = full_state                                # a checkpoint gathers it
+    shard(learner)   # trained: the shards; policy: a full copy the samplers read, refreshed before
+                     # each sampling call; a checkpoint gathers the shards, a resume scatters them
 
 grpo_step trains `trained` as it trains DDP's module (it clips a sharded gradient's DTensor norm,
 and runs every process's micro-batches in lockstep since each backward is collective).
@@ -31,6 +29,17 @@ from torch.distributed.fsdp import fully_shard
 
 from config import OptionError
 
+
+def shard(learner):
+    """t3rl.setup's one call for --parallel fsdp: the Learner's policy sharded (learner.trained),
+    a full copy for the samplers (learner.policy) brought up to the shards before each sampling
+    call, and the checkpoint's gather and the resume's scatter of the optimizer state."""
+    learner.trained, learner.policy, learner.ref_model = shard_models(
+        learner.policy, learner.ref_model, learner.cfg, learner.accelerator.device)
+    learner.sample = refreshing(learner.sample, learner.trained, learner.policy)
+    learner.full_state = full_state
+    learner.load_optimizer = lambda state: restore_optimizer(learner.trained, learner.optimizer,
+                                                             state)
 
 
 def shard_models(policy, ref_model, cfg, device):
