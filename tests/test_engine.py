@@ -195,6 +195,21 @@ def test_a_resumed_run_samples_from_the_checkpoints_weights(engine_dir, tmp_path
 
 
 
+def run_script(source, tmp_path, engine_dir, questions, processes=0, **options):
+    """The script `source` (a template with {root}) run as t3rl.py with the tiny engine model's options for one
+    step on `questions`, under torchrun with `processes` processes (0: plain python); it must exit 0."""
+    write_bench(tmp_path / "data", questions)
+    script = tmp_path / "script.py"
+    script.write_text(source.format(root=str(ROOT)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data")}
+    argv = tiny_argv(engine_dir, tmp_path / "out", max_steps=1, backend="vllm", sample_dtype="float32", **options)
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"] if processes else []
+    done = subprocess.run([sys.executable, *launcher, str(script), *argv], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
 FREED = """import gc
 import sys
 import weakref
@@ -225,15 +240,7 @@ print(f"after the run: {{len(engine._ENGINES)}} engines, {{sum(m() is not None f
 def test_a_finished_run_gives_back_its_engines_and_models(engine_dir, tmp_path):
     """A process's first run on the engines (the policy's and the verifier's): when train() returns, both engines
     are shut down and nothing keeps the run's models alive, so that the process can run again."""
-    write_bench(tmp_path / "data", QUESTIONS[:2])
-    script = tmp_path / "freed.py"
-    script.write_text(FREED.format(root=str(ROOT)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data")}
-    argv = tiny_argv(engine_dir, tmp_path / "out", questions_per_step=2, max_steps=1, eval_samples=0,
-                     backend="vllm", sample_dtype="float32")
-    done = subprocess.run([sys.executable, str(script), *argv], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(FREED, tmp_path, engine_dir, QUESTIONS[:2], questions_per_step=2, eval_samples=0)
     assert "[engine] vLLM engine for Qwen2ForCausalLM" in done.stderr  # it sampled on engines
     assert "after the run: 0 engines, 0 of 2 models alive" in done.stdout
 
@@ -270,16 +277,8 @@ def test_every_process_starts_its_engines_right_after_prepare(engine_dir, tmp_pa
     """torchrun, 2 processes, one question: process 1 samples nothing in the whole run, and still
     starts the verifier's engine and the policy's with process 0, after prepare and before the first
     evaluation."""
-    write_bench(tmp_path / "data", QUESTIONS[:1])
-    script = tmp_path / "started.py"
-    script.write_text(STARTED.format(root=str(ROOT)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data")}
-    argv = tiny_argv(engine_dir, tmp_path / "out", questions_per_step=1, max_steps=1,
-                     eval_samples=1, backend="vllm", sample_dtype="float32")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=2", str(script), *argv],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(STARTED, tmp_path, engine_dir, QUESTIONS[:1], processes=2, questions_per_step=1,
+                      eval_samples=1)
     # the processes share stdout: another's summary may follow a line without a newline between
     events = r"(?:engine|prepare|eval|step)(?: (?:engine|prepare|eval|step))*"
     seen = sorted(re.findall(rf"process (\d) of (\d): ({events})", done.stdout))
@@ -312,15 +311,7 @@ print(f"process {{os.environ['RANK']}} of {{os.environ['WORLD_SIZE']}}: executor
 def test_one_launched_process_starts_its_engines_on_the_launchers_executor(engine_dir, tmp_path):
     """torchrun with one process: both engines take vLLM's external_launcher, as on several GPUs, and the
     run trains and evaluates on them."""
-    write_bench(tmp_path / "data", QUESTIONS[:2])
-    script = tmp_path / "one.py"
-    script.write_text(ONE_LAUNCHED.format(root=str(ROOT)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "T3RL_DATA_DIR": str(tmp_path / "data")}
-    argv = tiny_argv(engine_dir, tmp_path / "out", questions_per_step=2, max_steps=1, eval_samples=1,
-                     backend="vllm", sample_dtype="float32")
-    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node=1", str(script), *argv],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_script(ONE_LAUNCHED, tmp_path, engine_dir, QUESTIONS[:2], processes=1, questions_per_step=2,
+                      eval_samples=1)
     assert "process 0 of 1: executors external_launcher external_launcher" in done.stdout
     assert [r["kind"] for r in rows(tmp_path / "out" / "run", "metrics.jsonl")] == ["eval", "train", "eval"]
