@@ -1,8 +1,8 @@
 """Run the verifier's untrusted Python programs fast, each in a fork of a warm, locked-down process.
 
-Tens of thousands of programs a run: a pool of workers (machinery/sandbox_server.py; design and
-speed: docs/sandbox.md) forks each from a fresh interpreter that already imported math, fractions,
-numpy, sympy and z3, so a program pays neither interpreter start-up nor imports. Linux only.
+A pool of workers forks each program from an interpreter that already imported math, fractions,
+numpy, sympy and z3. Linux only. This is the caller's end; the fork server is a program of its own,
+machinery/sandbox_server.py, never imported here (design and speed: docs/sandbox.md).
 
 What is covered (isolation "root" or "userns"; `pool.report` says what is active on this machine):
 - the caller: a program never runs in the caller's process, which survives anything it does; a
@@ -26,13 +26,27 @@ What is not covered:
 """
 import atexit
 import dataclasses
+import json
 import os
+import queue
+import signal
+import socket
+import struct
+import subprocess
 import sys
+import tempfile
 import threading
+import time
 import warnings
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
+ISOLATIONS = ("auto", "root", "userns", "none")
+HELPER = Path(__file__).resolve().parent / "machinery" / "sandbox_server.py"
+HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/home", "/root")  # and HOME, cwd, the temp dir
+WORKER_GRACE = 30.0  # a worker silent this long past the program's timeout is dead
 
 
 @dataclasses.dataclass
@@ -58,42 +72,73 @@ def default_workers() -> int:
 
 class SandboxPool:
     """Warm sandbox workers; `run(code)` and `run_many(codes)` return `Result`s. Thread-safe; one
-    pool per process (several processes on a machine may each have one). Close it or use `with`."""
+    pool per process (several processes on a machine may each have one). Close it or use `with`.
+    Each worker is a socket to the helper's worker process: a request and its reply are one
+    length-prefixed JSON message each."""
 
     def __init__(self, workers=None, *, timeout=5.0, memory_bytes=2 << 30, output_bytes=64 << 10,
                  isolation="auto"):
         if sys.platform != "linux":
             raise RuntimeError(f"sandbox.py needs Linux (namespaces, pidfd); this is "
                                f"{sys.platform}")
-        from machinery.sandbox_server import Server  # the fork server: namespaces, seccomp, limits
         self.workers = default_workers() if workers is None else workers
-        self.timeout = Server.check_settings(self.workers, timeout, memory_bytes, output_bytes,
-                                             isolation)
-        self._pid = os.getpid()
-        self._server = Server(self.workers, isolation=isolation, memory_bytes=memory_bytes,
-                              output_bytes=output_bytes)
+        self.timeout = check_settings(self.workers, timeout, memory_bytes, output_bytes,
+                                      isolation)
+        self.closed, self.protections, self._pid = False, None, os.getpid()
+        self._lock, self._idle, self._all = threading.Lock(), queue.Queue(), []
+        ctrl, helper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        settings = {"ctrl_fd": helper_end.fileno(), "isolation": isolation,
+                    "memory_bytes": memory_bytes, "output_bytes": output_bytes,
+                    "hide": [os.path.expanduser("~"), os.getcwd(), tempfile.gettempdir(),
+                             *HIDDEN]}
+        # a fresh interpreter, not a fork of the caller, which may hold threads (torch) and secrets
+        self.helper = subprocess.Popen(
+            [sys.executable, "-I", "-X", "utf8", str(HELPER), "--serve", json.dumps(settings)],
+            env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            pass_fds=[helper_end.fileno()], start_new_session=True)
+        helper_end.close()
+        self._ctrl = ctrl
+        self._finalizer = weakref.finalize(self, _shutdown, self.helper, ctrl, self._all)
+        try:
+            for _ in range(self.workers):
+                self._idle.put(self._spawn())
+        except BaseException:
+            self.close()
+            raise
         if "NOT " in self.report:
             warnings.warn(f"sandbox protections are incomplete on this machine:\n{self.report}",
                           stacklevel=2)
 
     @property
-    def protections(self):  # {protection: what is active}, as the first worker reported it
-        return self._server.protections
-
-    @property
     def report(self):
-        """The protections active for this pool's snippets, one per line."""
+        """The protections active for this pool's snippets (as the first worker reported them), one
+        per line."""
         return "\n".join(f"{key:>10}: {value}" for key, value in self.protections.items())
 
     def run(self, code, timeout=None):
-        """Run one snippet in its own sandboxed process; a Result, never the snippet's error."""
+        """Run one snippet in its own sandboxed process; a Result, never the snippet's error. A
+        worker that died is replaced and its snippet reported as "killed"."""
         if not isinstance(code, str):
             raise TypeError(f"code must be a str of Python source, got {type(code).__name__}")
-        timeout = self.timeout if timeout is None else self._server.check_timeout(timeout)
-        if self._server.closed or os.getpid() != self._pid:
+        timeout = self.timeout if timeout is None else check_timeout(timeout)
+        if self.closed or os.getpid() != self._pid:
             raise RuntimeError("SandboxPool is closed (or was created in another process): "
                                "create a new one")
-        return Result(**self._server.run(code, timeout))
+        worker, start = self._idle.get(), time.monotonic()
+        try:
+            worker.settimeout(timeout + WORKER_GRACE)
+            send_message(worker, {"code": code, "timeout": timeout})
+            reply = receive_message(worker)
+        except OSError:
+            reply = None
+        if reply is not None:
+            self._idle.put(worker)
+            return Result(**reply)
+        self._retire(worker)
+        if not self.closed:
+            self._idle.put(self._spawn())
+        return Result("killed", "", "sandbox worker died; it was replaced", None,
+                      time.monotonic() - start)
 
     def run_many(self, codes, timeout=None):
         """Run snippets concurrently on all workers; results in the order of `codes`."""
@@ -103,13 +148,112 @@ class SandboxPool:
 
     def close(self):
         """Stop all workers and the helper; no process, mount, cgroup or folder is left behind."""
-        self._server.close()
+        with self._lock:
+            self.closed = True
+        self._finalizer()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+    def _spawn(self) -> socket.socket:
+        """Ask the helper for one more worker and wait until it is ready."""
+        mine, theirs = socket.socketpair()
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("SandboxPool is closed")
+            self._all.append(mine)
+            try:
+                self._order("spawn", mine, [theirs.fileno()])
+            except OSError as e:
+                raise RuntimeError(f"sandbox helper is gone (exit code "
+                                   f"{self.helper.poll()})") from e
+            finally:
+                theirs.close()
+        mine.settimeout(120.0)  # the first worker waits for the helper's imports
+        try:
+            ready = receive_message(mine)
+        except OSError:
+            ready = None
+        if ready is None:
+            raise RuntimeError(f"sandbox worker did not start (helper exit code "
+                               f"{self.helper.poll()}); see the error printed above")
+        if "error" in ready:
+            raise RuntimeError(ready["error"])
+        self.protections = self.protections or ready["ready"]
+        return mine
+
+    def _retire(self, worker: socket.socket):
+        with self._lock:
+            worker.close()
+            if not self.closed:
+                try:
+                    self._order("kill", worker, [])
+                except OSError:
+                    pass
+
+    def _order(self, op: str, worker: socket.socket, fds: list):
+        """One order to the helper: spawn the worker at the end of `fds`, or kill one; a worker is
+        named by its position in the pool's list."""
+        order = json.dumps({"op": op, "id": self._all.index(worker)}).encode()
+        socket.send_fds(self._ctrl, [order], fds)
+
+
+def check_settings(workers, timeout, memory_bytes, output_bytes, isolation) -> float:
+    """SandboxPool's arguments, checked before anything starts; returns the timeout."""
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r}: give a positive number of worker processes "
+                         "(or None)")
+    if isolation not in ISOLATIONS:
+        raise ValueError(f"isolation={isolation!r}: choose one of {', '.join(ISOLATIONS)}")
+    for name, value, least in (("memory_bytes", memory_bytes, 64 << 20),
+                               ("output_bytes", output_bytes, 1)):
+        if not isinstance(value, int) or value < least:
+            raise ValueError(f"{name}={value!r}: give a whole number of bytes, at least {least}")
+    return check_timeout(timeout)
+
+
+def check_timeout(timeout) -> float:
+    if not isinstance(timeout, (int, float)) or not 0 < timeout < 3600:
+        raise ValueError(f"timeout={timeout!r}: give seconds, more than 0 and less than 3600")
+    return float(timeout)
+
+
+def send_message(sock, obj):
+    """obj as JSON behind its length (4 bytes, network order)."""
+    data = json.dumps(obj).encode()
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def receive_message(sock):
+    """The next message on sock, or None when the other end closed it."""
+    header = receive_bytes(sock, 4)
+    data = header and receive_bytes(sock, struct.unpack("!I", header)[0])
+    return None if data is None else json.loads(data)
+
+
+def receive_bytes(sock, n: int) -> bytes | None:
+    """Exactly n bytes from sock, or None when the other end closed it first."""
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _shutdown(helper, ctrl, workers):
+    for worker in workers:
+        worker.close()
+    ctrl.close()
+    try:
+        helper.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(helper.pid, signal.SIGKILL)
+        helper.wait()
 
 
 _default_pool = None

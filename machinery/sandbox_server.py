@@ -1,7 +1,7 @@
-"""The machinery of sandbox.SandboxPool: a fork server whose workers run each snippet in namespaces,
-with seccomp, rlimits and a pids cgroup (what it covers: sandbox.py; the design: docs/sandbox.md).
+"""The program sandbox.SandboxPool runs (never imports): a fork server whose workers run each
+snippet in namespaces, with seccomp, rlimits and a pids cgroup (sandbox.py; docs/sandbox.md).
 
-Process tree (one per pool; the caller's end is a Server):
+Process tree (one per pool; the caller's end is sandbox.SandboxPool):
 
   caller (may have imported torch, may have threads)
    `- helper: a fresh `sys.executable -I machinery/sandbox_server.py --serve`, empty environment;
@@ -32,7 +32,6 @@ import json
 import math
 import os
 import platform
-import queue
 import re
 import resource
 import select
@@ -40,23 +39,17 @@ import shutil
 import signal
 import socket
 import struct
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
-import weakref
 
-ISOLATIONS = ("auto", "root", "userns", "none")
 NOBODY = 65534
 FILE_BYTES = 16 << 20        # largest file a snippet may write
 OPEN_FILES = 64
 PROCESSES = 64               # processes (threads count too) a snippet may have at once
 SCRATCH_BYTES = 64 << 20     # size of the private tmpfs holding the snippet's folder
-HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/home", "/root")
 SNIPPET_PATH = "/usr/local/bin:/usr/bin:/bin"
-WORKER_GRACE = 30.0          # a worker silent this long past the snippet's timeout is dead
 CGROUP_PREFIX = "t3rl-sandbox-"
 SCRATCH = "/tmp/sandbox"     # in the worker's private /tmp: a tmpfs that holds the snippet's folder
 
@@ -785,144 +778,6 @@ def _shutdown_launchers(launchers):
     for _, cgroup in launchers.values():
         if cgroup:
             _remove_cgroup(cgroup)
-
-
-# --------------------------------------------------------------------------------------------------
-# The caller's side: start the helper, ask it for workers, hand each request to an idle worker.
-
-@dataclasses.dataclass
-class _Worker:
-    id: int
-    sock: socket.socket
-
-
-class Server:
-    """The caller's end of one helper and its workers, behind sandbox.SandboxPool. Thread-safe."""
-
-    def __init__(self, workers, *, isolation, memory_bytes, output_bytes):
-        self._lock = threading.Lock()
-        self._idle = queue.Queue()
-        self._next_id = 0
-        self.closed = False
-        ctrl, helper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        hide = [os.path.expanduser("~"), os.getcwd(), tempfile.gettempdir(), *HIDDEN]
-        cfg = {"ctrl_fd": helper_end.fileno(), "isolation": isolation, "memory_bytes": memory_bytes,
-               "output_bytes": output_bytes, "hide": hide}
-        # A fresh interpreter, not a fork of the caller, which may hold threads (torch) and secrets.
-        self.helper = subprocess.Popen(
-            [sys.executable, "-I", "-X", "utf8", os.path.abspath(__file__), "--serve",
-             json.dumps(cfg)],
-            env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            pass_fds=[helper_end.fileno()], start_new_session=True)
-        helper_end.close()
-        self._ctrl = ctrl
-        self._all = []
-        self._finalizer = weakref.finalize(self, Server._shutdown, self.helper, ctrl, self._all)
-        try:
-            self.protections = None
-            for _ in range(workers):
-                self._idle.put(self._spawn())
-        except BaseException:
-            self.close()
-            raise
-
-    @staticmethod
-    def check_settings(workers, timeout, memory_bytes, output_bytes, isolation):
-        """SandboxPool's arguments, checked before anything starts; returns the timeout."""
-        if not isinstance(workers, int) or workers < 1:
-            raise ValueError(f"workers={workers!r}: give a positive number of worker processes "
-                             "(or None)")
-        if isolation not in ISOLATIONS:
-            raise ValueError(f"isolation={isolation!r}: choose one of {', '.join(ISOLATIONS)}")
-        for name, value, least in (("memory_bytes", memory_bytes, 64 << 20),
-                                   ("output_bytes", output_bytes, 1)):
-            if not isinstance(value, int) or value < least:
-                raise ValueError(f"{name}={value!r}: give a whole number of bytes, at least "
-                                 f"{least}")
-        return Server.check_timeout(timeout)
-
-    @staticmethod
-    def check_timeout(timeout):
-        if not isinstance(timeout, (int, float)) or not 0 < timeout < 3600:
-            raise ValueError(f"timeout={timeout!r}: give seconds, more than 0 and less than "
-                             "3600")
-        return float(timeout)
-
-    def _spawn(self):
-        """Ask the helper for one more worker and wait until it is ready."""
-        mine, theirs = socket.socketpair()
-        with self._lock:
-            if self.closed:
-                raise RuntimeError("SandboxPool is closed")
-            worker = _Worker(self._next_id, mine)
-            self._next_id += 1
-            self._all.append(worker)
-            try:
-                spawn = json.dumps({"op": "spawn", "id": worker.id}).encode()
-                socket.send_fds(self._ctrl, [spawn], [theirs.fileno()])
-            except OSError as e:
-                raise RuntimeError(f"sandbox helper is gone (exit code "
-                                   f"{self.helper.poll()})") from e
-            finally:
-                theirs.close()
-        mine.settimeout(120.0)  # the first worker waits for the helper's imports
-        try:
-            ready = _recv(mine)
-        except OSError:
-            ready = None
-        if ready is None:
-            raise RuntimeError(f"sandbox worker did not start (helper exit code "
-                               f"{self.helper.poll()}); see the error printed above")
-        if "error" in ready:
-            raise RuntimeError(ready["error"])
-        self.protections = self.protections or ready["ready"]
-        return worker
-
-    def run(self, code, timeout):
-        """One snippet on the next idle worker; returns Result's fields. A worker that died is
-        replaced and its snippet reported as "killed"."""
-        worker = self._idle.get()
-        start = time.monotonic()
-        try:
-            worker.sock.settimeout(timeout + WORKER_GRACE)
-            _send(worker.sock, {"code": code, "timeout": timeout})
-            reply = _recv(worker.sock)
-        except OSError:
-            reply = None
-        if reply is not None:
-            self._idle.put(worker)
-            return reply
-        self._retire(worker)
-        if not self.closed:
-            self._idle.put(self._spawn())
-        return {"status": "killed", "stdout": "", "stderr": "sandbox worker died; it was replaced",
-                "returncode": None, "duration": time.monotonic() - start}
-
-    def _retire(self, worker):
-        with self._lock:
-            worker.sock.close()
-            if not self.closed:
-                try:
-                    kill = json.dumps({"op": "kill", "id": worker.id}).encode()
-                    socket.send_fds(self._ctrl, [kill], [])
-                except OSError:
-                    pass
-
-    def close(self):
-        with self._lock:
-            self.closed = True
-        self._finalizer()
-
-    @staticmethod
-    def _shutdown(helper, ctrl, workers):
-        for worker in workers:
-            worker.sock.close()
-        ctrl.close()
-        try:
-            helper.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(helper.pid, signal.SIGKILL)
-            helper.wait()
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:  # the helper process a pool starts

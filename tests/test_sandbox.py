@@ -46,7 +46,7 @@ def _descendants(pid, depth=1, exact=False):
 
 def _spawned_by_snippets(pool):
     """Below the helper: launcher, worker, snippet process, then whatever a snippet spawned."""
-    return _descendants(pool._server.helper.pid, depth=4)
+    return _descendants(pool.helper.pid, depth=4)
 
 
 def _eventually(condition, patience=10.0):
@@ -227,7 +227,7 @@ def test_the_pool_survives_anything_a_snippet_does(pool, code, statuses):
 
 
 def test_a_dead_worker_is_reported_and_replaced(pool):
-    for worker in _descendants(pool._server.helper.pid, depth=2, exact=True):
+    for worker in _descendants(pool.helper.pid, depth=2, exact=True):
         os.kill(worker, signal.SIGKILL)
     first = pool.run_many(["print(3)"] * 4)
     assert {r.status for r in first} <= {"ok", "killed"} and "killed" in {r.status for r in first}
@@ -303,7 +303,7 @@ def test_two_pools_side_by_side_each_work():
 def test_closing_leaves_no_process_mount_cgroup_or_folder():
     mounts, temp_before = _mounts(), set(os.listdir(tempfile.gettempdir()))
     pool = SandboxPool(workers=2, timeout=1.0)
-    helper = pool._server.helper.pid
+    helper = pool.helper.pid
     pool.run_many(["import os\nos.system('sleep 100 &')\nwhile True:\n    pass",
                    "import os\nwhile True:\n    try:\n        os.fork()\n"
                    "    except OSError:\n        pass"])
@@ -332,6 +332,18 @@ def test_bad_settings_are_refused(make):
 def test_code_must_be_text(pool):
     with pytest.raises(TypeError, match="str"):
         pool.run(b"print(1)")
+
+
+def test_the_caller_runs_the_server_and_never_imports_it():
+    """The fork server is a program the pool starts: the training process keeps none of its
+    namespace and seccomp code in memory."""
+    script = ("import sys; from sandbox import SandboxPool\n"
+              "with SandboxPool(1) as pool:\n"
+              "    print(pool.run('print(5)').stdout.strip(), pool.helper.args[4].endswith("
+              "'sandbox_server.py'), 'machinery.sandbox_server' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.split() == ["5", "True", "False"], out.stderr
 
 
 def test_run_snippet_uses_a_shared_pool():
