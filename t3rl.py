@@ -77,7 +77,8 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
     for name, monitor in learner.monitors.items():  # an extension's own (agent: its tool calls)
         for stats, group, ans in zip(monitors, groups, answers):
             stats[name] = monitor(group, ans)
-    return metrics.step_metrics(step, gather_object(monitors), update, gather_object([clock]))
+    return metrics.step_metrics(step, gather_object(monitors), update, gather_object([clock]),
+                                list(learner.monitors))
 
 
 @dataclass
@@ -98,7 +99,7 @@ class Learner:
     ref_model: torch.nn.Module | None = None  # the starting policy, for the KL term
     before_update: list = field(default_factory=list)  # extensions' memory given back
     releases: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # at the run's end
-    monitors: dict = field(default_factory=dict)  # name -> (group, answers) -> a step's stats
+    monitors: dict = field(default_factory=dict)  # name -> (group, answers) -> counts
     full_state: object = None     # (trained, optimizer) -> both in full, for a checkpoint (FSDP)
     load_optimizer: object = None  # state -> None: a resume's, onto the shards (FSDP)
 

@@ -166,8 +166,9 @@ def shown_output(result) -> str:
 
 
 def agent_monitors(group, answers) -> dict:
-    """One question's tool use: calls per rollout, their statuses, the rollouts whose final answer
-    is what a call printed (its last line), and the tool tokens in the rollouts. Monitoring only."""
+    """One question's tool use, as counts (a step's metrics row sums them: extensions.agent): the
+    calls, the rollouts calling, the calls' statuses, the rollouts whose final answer is what a call
+    printed (its last line), and the tool tokens in the rollouts. Monitoring only."""
     calls = [c.tool_calls or [] for c in group]
     from_tool = sum(answer is not None
                     and any(tool_agrees(last_line(call.output), answer) for call in made)

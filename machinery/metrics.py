@@ -8,6 +8,7 @@ metrics.jsonl.
 import re
 import statistics
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -109,9 +110,10 @@ def class_of(vote: Vote, answers, answer, same, key) -> int | None:
     return None
 
 
-def step_metrics(step, per_question, update, seconds) -> dict:
+def step_metrics(step, per_question, update, seconds, extensions=()) -> dict:
     """One metrics row: per-question monitors (means), the update's statistics (whole step, all
-    processes) and each phase's time (the slowest process)."""
+    processes), each phase's time (the slowest process) and, under "extensions", the counts of each
+    extension monitor named (t3rl.Learner.monitors), summed over the questions."""
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
     row = {"kind": "train", "step": step, "questions": len(per_question)}
     for key in ("label_accuracy", "majority_label_accuracy", "reward_accuracy", "majority_ratio",
@@ -145,30 +147,23 @@ def step_metrics(step, per_question, update, seconds) -> dict:
     row["verifier_calls_saved"] = sum(q["verifier_calls_saved"] for q in per_question)
     row["verdicts_reused"] = sum(q["verdicts_reused"] for q in per_question)
     row["programs_written"] = sum(q["programs_written"] for q in per_question)
-    agent = [q["agent"] for q in per_question if "agent" in q]
-    if agent:
-        row.update(agent_metrics(agent, len(lengths)))
+    if extensions:
+        row["extensions"] = {name: sum_counts([q[name] for q in per_question])
+                             for name in extensions}
     row.update({f"grpo/{key}": value for key, value in update.items()})
     for phase in seconds[0]:
         row[f"seconds/{phase}"] = max(s[phase] for s in seconds)
     return row
 
 
-def agent_metrics(per_question: list[dict], rollouts: int) -> dict:
-    """The step's tool use (agent rollouts): calls per rollout, the share of rollouts that call,
-    their statuses, the share whose final answer a call printed, and the tool's tokens per rollout
-    (left out of the update)."""
-    total = lambda key: sum(q[key] for q in per_question)  # noqa: E731
-    statuses = {}
-    for q in per_question:
-        for status, count in q["tool_statuses"].items():
-            statuses[status] = statuses.get(status, 0) + count
-    n = max(rollouts, 1)
-    return {"agent/tool_calls_per_rollout": total("tool_calls") / n,
-            "agent/calling_ratio": total("rollouts_calling") / n,
-            "agent/answer_from_tool_ratio": total("answer_from_tool") / n,
-            "agent/tool_tokens_per_rollout": total("tool_tokens") / n,
-            "agent/tool_status": dict(sorted(statuses.items()))}
+def sum_counts(per_question: list[dict]) -> dict:
+    """Key-wise sums of per-question counts: numbers, or {what: count} dicts."""
+    total = {}
+    for counts in per_question:
+        for key, value in counts.items():
+            total[key] = (dict(Counter(total.get(key, {})) + Counter(value))
+                          if isinstance(value, dict) else total.get(key, 0) + value)
+    return total
 
 
 def format_step(row: dict, total: int) -> str:
@@ -181,13 +176,8 @@ def format_step(row: dict, total: int) -> str:
     # are
     mismatch = (f" lp-gap {row['grpo/logprob_mismatch']:.4f}" if "grpo/logprob_mismatch" in row
                 else "")
-    agent = ""
-    if "agent/tool_calls_per_rollout" in row:  # --agent: how the policy used its tool
-        ok = row["agent/tool_status"].get("ok", 0) / max(sum(row["agent/tool_status"].values()), 1)
-        agent = (f" | tool {row['agent/tool_calls_per_rollout']:.2f}/rollout"
-                 f" ({fmt(row['agent/calling_ratio'])} call,"
-                 f" ok {ok:.2f}) ans-from-tool {fmt(row['agent/answer_from_tool_ratio'])}"
-                 f" tool-tok {row['agent/tool_tokens_per_rollout']:.0f}")
+    extensions = "".join(f" | {name} " + " ".join(f"{key} {value}" for key, value in counts.items())
+                         for name, counts in row.get("extensions", {}).items())
     return (f"step {row['step'] + 1}/{total} | label {fmt(row['label_accuracy'])}"
             f" (maj {fmt(row['majority_label_accuracy'])})"
             f" reward {fmt(row['reward_accuracy'])} | maj-ratio {fmt(row['majority_ratio'])}"
@@ -200,7 +190,7 @@ def format_step(row: dict, total: int) -> str:
             f" ent {fmt(row.get('grpo/entropy'))}"
             f" loss {row.get('grpo/loss', 0):+.4f}"
             f" opt-steps {row.get('grpo/optimizer_steps', 0):.0f}"
-            f"{skipped} clip {row.get('grpo/clip_frac', 0):.4f}{mismatch}{agent} | {timing}")
+            f"{skipped} clip {row.get('grpo/clip_frac', 0):.4f}{mismatch}{extensions} | {timing}")
 
 
 def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float) -> dict:
@@ -314,7 +304,7 @@ def summary(run_dir: Path) -> str:
 
 def _training_lines(train_rows: list[dict]) -> list[str]:
     """The summary's rows for the training steps: pseudo-label and reward accuracy, the
-    verifier's precision and recall, flips, and the tool use of agent rollouts."""
+    verifier's precision and recall, flips, and each extension's counts."""
     lines = []
     mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)  # noqa: E731
     lines.append(f"{'training steps':<28}{len(train_rows):>10}")
@@ -338,12 +328,10 @@ def _training_lines(train_rows: list[dict]) -> list[str]:
                  f"{sum(r['flipped'] * r['questions'] for r in train_rows):>10.0f}"
                  f"   ({sum(r['flip_fixed'] * r['questions'] for r in train_rows):.0f} / "
                  f"{sum(r['flip_broke'] * r['questions'] for r in train_rows):.0f})")
-    # --agent: the policy's own tool use while training
-    if "agent/tool_calls_per_rollout" in train_rows[0]:
-        for name, key in (("tool calls per rollout", "tool_calls_per_rollout"),
-                          ("rollouts calling the tool", "calling_ratio"),
-                          ("answers a tool call printed", "answer_from_tool_ratio")):
-            lines.append(f"{name:<28}{mean('agent/' + key):>10.3f}")
+    # each extension's counts over the run (agent: the policy's own tool use)
+    totals = sum_counts([{f"{name} {key}": value for name, counts in r.get("extensions", {}).items()
+                        for key, value in counts.items()} for r in train_rows])
+    lines += [f"{key:<28}{value:>10}" for key, value in totals.items() if not isinstance(value, dict)]
     return lines
 
 

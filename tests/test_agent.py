@@ -209,6 +209,7 @@ class CountingInterpreter(Interpreter):
         return f"print({len(token_ids)} * 6)" if len(token_ids) >= 5 else None
 
 
+@pytest.mark.slow
 def test_an_interrupted_agent_run_resumes_exactly_and_logs_its_tool_use(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
@@ -230,8 +231,10 @@ def test_an_interrupted_agent_run_resumes_exactly_and_logs_its_tool_use(tiny_dir
     assert all("```output\n30\n```" in r["text"] for r in logged if r["tool_calls"])
     step = next(r for r in rows(straight, "metrics.jsonl") if r["kind"] == "train")
     first = [r for r in logged if r["step"] == 0]
-    assert step["agent/tool_calls_per_rollout"] == sum(len(r["tool_calls"]) for r in first) / len(first)
-    assert step["agent/tool_status"] == {"ok": sum(len(r["tool_calls"]) for r in first)}
+    counts = step["extensions"]["agent"]
+    assert counts["tool_calls"] == sum(len(r["tool_calls"]) for r in first) > 0
+    assert counts["tool_statuses"] == {"ok": counts["tool_calls"]}
+    assert counts["rollouts_calling"] == sum(bool(r["tool_calls"]) for r in first)
 
 
 def test_agent_monitors_count_the_rollouts_whose_answer_a_call_printed(tokenizer, pool):

@@ -40,3 +40,25 @@ def test_metrics_find_gold_in_a_class_through_same():
     m = group_metrics(vote, answers, verified, 5.0, gold="\\frac{1}{2}", key=answer_key,
                       same=same_answer)
     assert (vote.label, m["flipped"], m["flip_broke"], m["ground_truth_ratio"]) == ("3", 1.0, 1.0, 2 / 3)
+
+
+def test_an_extensions_counts_are_summed_over_the_questions_and_shown():
+    """Learner.monitors: each question's counts (numbers, {status: count}) add up in the step's row,
+    its line and the run's summary, under the extension's name."""
+    from machinery.metrics import _training_lines, format_step, step_metrics
+    question = {"label_accuracy": 1.0, "majority_label_accuracy": 1.0, "reward_accuracy": 1.0,
+                "majority_ratio": 1.0, "ground_truth_ratio": 1.0, "verified_ratio": 0.0,
+                "flipped": 0.0, "flip_fixed": 0.0, "flip_broke": 0.0, "pass@N": 1.0, "statuses": [],
+                "correct": 2, "judged_verified": 0, "verified_correct": 0, "correct_judged": 0,
+                "inherited_verified": 0, "inherited_verified_correct": 0, "no_answer": 0,
+                "response_tokens": [3, 4], "verifier_tokens": 0, "verifier_calls_saved": 0,
+                "verdicts_reused": 0, "programs_written": 0}
+    per_question = [question | {"agent": {"tool_calls": 2, "tool_statuses": {"ok": 2}}},
+                    question | {"agent": {"tool_calls": 1, "tool_statuses": {"ok": 0, "error": 1}}}]
+    row = step_metrics(0, per_question, {}, [{"sample": 1.0}], ["agent"])
+    assert row["extensions"] == {"agent": {"tool_calls": 3, "tool_statuses": {"ok": 2, "error": 1}}}
+    assert "| agent tool_calls 3 tool_statuses {'ok': 2, 'error': 1} |" in format_step(row, 1)
+    assert "agent tool_calls" in "\n".join(_training_lines([row, row]))
+    assert any(line.split()[-1] == "6" for line in _training_lines([row, row])
+               if line.startswith("agent tool_calls"))
+    assert "extensions" not in step_metrics(0, per_question, {}, [{"sample": 1.0}])
