@@ -4,7 +4,7 @@ floors the machine allows: bytes per step over the memory bandwidth, FLOP per st
 rate), and, with --verifier-prompts, kv against kv-fast on one step's verifier prompts (shared
 prefixes, packed weights).
 
-    python -m bench.sampler [--n 8 32] [--dtypes float32 bfloat16] [--compile]
+    python -m bench.sampler [--n 8 32] [--dtypes float32 bfloat16]
     python -m bench.sampler --verifier-prompts [--max-new-tokens 256]
 """
 import argparse
@@ -43,13 +43,10 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def sample(backend, model, tokenizer, prompts, n, max_new_tokens, dtype=None, compile=False,
-           temperature=0.6):
-    """generate on one backend (kv-fast: extensions/kv_fast.py, compiled when asked), seeded, EOS
-    ignored."""
+def sample(backend, model, tokenizer, prompts, n, max_new_tokens, dtype=None, temperature=0.6):
+    """generate on one backend (kv-fast: extensions/kv_fast.py), seeded, EOS ignored."""
     sampling = Sampling(max_new_tokens, temperature, 0.95, dtype, ignore_eos=True)
     if backend == "kv-fast":
-        kv_fast.SETTINGS.compile = compile
         return kv_fast.generate(model, tokenizer, prompts, n, sampling, seed=0)
     return generate(model, tokenizer, prompts, n, sampling, seed=0, backend=backend)
 
@@ -130,7 +127,7 @@ def matmul_seconds(model, rows, dtype, device) -> float:
     return 1 / _rate(lambda: [lin(inputs[width]) for lin, width in products], device, 1.0)
 
 
-def bench(spec, device, ns, max_new_tokens, compile, dtypes):
+def bench(spec, device, ns, max_new_tokens, dtypes):
     device = torch.device(device)
     base, tokenizer = bench_model(spec, device)
     prompt = (tokenizer(BENCH_PROMPT, add_special_tokens=False).input_ids if tokenizer
@@ -148,14 +145,11 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
         if dtype == torch.bfloat16:
             runs += [("f32 weights, dtype=bf16", backend, base, {"dtype": dtype})
                      for backend in ("kv", "kv-fast")]
-    if compile:  # compiled twins of the kv-fast rows, measured beside them
-        runs += [(label, backend, model, {**options, "compile": True})
-                 for label, backend, model, options in runs if backend == "kv-fast"]
     rates = {dtype: measure_matmul(device, dtype) for dtype in (torch.float32, torch.bfloat16)}
     table = []
     for n in ns:
         for label, backend, model, options in tqdm(runs, desc=f"n={n}", file=sys.stderr):
-            sample(backend, model, tokenizer, [prompt], n, 4, **options)  # warm-up, compilation
+            sample(backend, model, tokenizer, [prompt], n, 4, **options)  # warm-up
             sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
             sync()
             t0 = time.perf_counter()
@@ -167,8 +161,7 @@ def bench(spec, device, ns, max_new_tokens, compile, dtypes):
             by_bytes, by_flop = decode_floor(model, n, len(prompt) + max_new_tokens / 2, dtype,
                                              bandwidth, rates[dtype])
             matmuls = matmul_seconds(model, n, dtype, device)
-            shown = backend + ("+compile" if options.get("compile") else "")
-            table.append((n, label, shown, dtype, n * max_new_tokens / seconds,
+            table.append((n, label, backend, dtype, n * max_new_tokens / seconds,
                           seconds / max_new_tokens, by_bytes, by_flop, matmuls))
     print(f"\n{'n':>3} {'dtype':<24} {'backend':<16} {'tok/s':>8} {'ms/step':>8} {'x hf':>6} "
           f"{'floor ms (bytes)':>16} {'floor ms (FLOP)':>15} {'x floor':>7} {'matmuls ms':>10}")
@@ -280,8 +273,6 @@ def main():
                              "runs it natively; bfloat16 adds the dtype=bf16 row on float32 "
                              "weights; --verifier-prompts takes the first)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--compile", action="store_true",
-                        help="add rows with the kv-fast decode step under torch.compile")
     parser.add_argument("--verifier-prompts", action="store_true",
                         help="kv against kv-fast on one step's verifier prompts")
     parser.add_argument("--problems", type=int, default=8, help="--verifier-prompts: demo problems")
@@ -297,7 +288,7 @@ def main():
         bench_verifier(args.model_config, args.device, dtypes[0], args.max_new_tokens,
                        args.problems, args.rollouts)
     else:
-        bench(args.model_config, args.device, args.n, args.max_new_tokens, args.compile, dtypes)
+        bench(args.model_config, args.device, args.n, args.max_new_tokens, dtypes)
 
 
 if __name__ == "__main__":

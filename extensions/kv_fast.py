@@ -13,7 +13,6 @@ adds to the plain loop:
     compaction     finished rows leave the batch once an eighth of it has finished
     tool rows      --agent: a row that closes a ```python block runs it, the output appended to its
                    own cache (the decode loop's hook, extensions/agent.py's ToolRows)
-    compile        SETTINGS.compile: the decode step through torch.compile (CUDA graphs on a GPU)
 
 The tokens are those of the plain loop where the forward pass is batch-invariant (bfloat16 on CPUs);
 docs/sampler.md has the design and the measurements.
@@ -41,7 +40,6 @@ PREFILL_TOKENS = 2048
 @dataclass
 class Settings:
     memory_budget: int | None = None  # bytes for one wave's cache and logits (None: half free)
-    compile: bool = False             # the decode step through torch.compile
 
 
 SETTINGS = Settings()
@@ -66,9 +64,7 @@ def generate_rows(model, prompt_ids, n: int, sampling: Sampling, seeds, eos, pro
     longest, steps, n_rows = max(map(len, prompt_ids)), sampling.max_new_tokens, len(prompt_ids) * n
     planned = waves(model, n_rows, longest, steps, dtype)
     w = sampling_weights(model, dtype)
-    step = compiled(forward, device.type) if SETTINGS.compile else forward
-    run = Run(w, rotary_tables(w, longest + steps, dtype), step,
-              device.type == "cuda" and not SETTINGS.compile,
+    run = Run(w, rotary_tables(w, longest + steps, dtype), device.type == "cuda",
               torch.tensor(eos, dtype=torch.long, device=device), dtype, device)
     rows = []
     for start, stop in planned:
@@ -179,13 +175,6 @@ def file_tensors(folder: Path):
     return tensor
 
 
-@functools.cache
-def compiled(step, device_type: str):
-    # CUDA graphs ("reduce-overhead") remove the launch cost that dominates small decode steps
-    return torch.compile(step, dynamic=True, mode="reduce-overhead" if device_type == "cuda"
-                         else None)
-
-
 # --------------------------------------------------------------------------- waves
 
 @dataclass
@@ -193,8 +182,7 @@ class Run:
     """What every wave of one generate call shares."""
     w: object            # sampler.Weights
     rotary: tuple        # (cos, sin), each (length, head dim)
-    step: object         # sampler.forward, or its compiled twin: the decode step
-    windowed: bool       # decode attends over a window of the cache columns (eager CUDA)
+    windowed: bool       # decode attends over a window of the cache columns (CUDA)
     eos: torch.Tensor    # end-of-sequence ids (empty: EOS ignored)
     dtype: torch.dtype
     device: torch.device
@@ -335,8 +323,8 @@ def decode_step(run, cache: KVCache, batch: Batch, tokens, column: int):
     mask = ((seen >= batch.start[:, None]) & (seen <= batch.columns[:, None]))[:, None, None, :]
     at = (torch.tensor([column - lo], device=run.device) if batch.aligned
           else (batch.columns - lo)[:, None])
-    return run.step(run.w, tokens[:, None], (batch.columns - batch.start)[:, None], at,
-                    cache.window(len(batch.rows), lo), mask, run.rotary)
+    return forward(run.w, tokens[:, None], (batch.columns - batch.start)[:, None], at,
+                   cache.window(len(batch.rows), lo), mask, run.rotary)
 
 
 def compact(cache, batch, tokens):

@@ -42,6 +42,7 @@ def test_kv_matches_hf_greedy_on_a_tiny_llama(bias):
     assert token_rows(kv) == token_rows(hf)
 
 
+@pytest.mark.slow
 def test_kv_matches_hf_greedy_on_embedded_model(embedded_model):
     model, tokenizer = embedded_model
     prompts = ["def fibonacci(n):", "What is 12 * 13? Answer:",
