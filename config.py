@@ -162,6 +162,10 @@ PRESETS = {
                 verify_budget=1, lazy_verify=True),
 }
 
+# the options beyond the paper (extensions/): Config's defaults leave them off
+BEYOND_PAPER = ("verify_budget", "lazy_verify", "verifier_programs", "verifier_repair",
+                "verdict_memory", "agent", "eval_cache")
+
 # options a resumed run may change: they decide when to evaluate and save, not what is computed
 RESUMABLE_CHANGES = ("eval_every", "save_every")
 

@@ -21,7 +21,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from datetime import timedelta
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from accelerate import Accelerator
 from accelerate.utils import (DistributedDataParallelKwargs, InitProcessGroupKwargs,
                                broadcast_object_list, gather_object)
 
-from config import Config
+from config import BEYOND_PAPER, Config, flag
 from grpo import bf16_supported
 
 # The process group's timeout for every collective (NCCL's default: 10 minutes): the others wait at
@@ -282,18 +282,17 @@ def announce(run_dir, records, batches, accelerator, start: int, cfg: Config, po
 
 
 def verifier_line(cfg: Config) -> str:
-    """What the run's verifier does, in one line (config.json holds each setting)."""
+    """The run's verifier and the options beyond the paper it sets, in one line (config.json holds
+    each setting)."""
+    beyond = [f"{flag(f.name)} {getattr(cfg, f.name)}" for f in fields(Config)
+              if f.name in BEYOND_PAPER and getattr(cfg, f.name) != f.default]
     if cfg.verifier_model == "none":
-        return "no verifier (--verifier-model none): TTRL's majority vote"
-    programs, which = cfg.verifier_programs, "every rollout verified"
-    if cfg.verify_budget or cfg.lazy_verify:
-        which = ", ".join(filter(None, [
-            f"{cfg.verify_budget} rollout(s) per answer class" if cfg.verify_budget else "",
-            "lazily" if cfg.lazy_verify else ""]))
-    return (f"verifier {cfg.verifier_model}: {programs} program{'s' if programs > 1 else ''} per "
-            f"rollout, {'repair' if cfg.verifier_repair else 'no repair'}, "
-            f"{'verdict memory' if cfg.verdict_memory else 'no memory'}, {which}, "
-            f"{cfg.verifier_max_new_tokens} tokens at T 0.6 / top-p 0.95")
+        what = "no verifier (--verifier-model none): TTRL's majority vote"
+    else:
+        what = (f"verifier {cfg.verifier_model}, {cfg.verifier_max_new_tokens} tokens a program at "
+                f"T 0.6 / top-p 0.95" + ("" if beyond else "; the paper's: one program per "
+                                          "rollout, every rollout verified"))
+    return what + (f"; beyond the paper: {', '.join(beyond)}" if beyond else "")
 
 
 def settle(cfg: Config, gpu: bool):

@@ -121,8 +121,14 @@ def test_paper_and_ttrl_presets_verify_as_the_paper(argv):
     line a run prints about it."""
     cfg = parse_config(argv + ["--bench", "demo"])
     assert {key: getattr(cfg, key) for key in PAPERS_VERIFIER} == PAPERS_VERIFIER and cfg.omega == 5.0
-    assert verifier_line(cfg) == ("verifier Qwen/Qwen2.5-Coder-1.5B-Instruct: 1 program per rollout, "
-                                  "no repair, no memory, every rollout verified, 1024 tokens at T 0.6 / top-p 0.95")
+    assert verifier_line(cfg) == ("verifier Qwen/Qwen2.5-Coder-1.5B-Instruct, 1024 tokens a program at T 0.6 / "
+                                  "top-p 0.95; the paper's: one program per rollout, every rollout verified")
+
+
+def test_the_run_says_which_options_beyond_the_paper_it_sets():
+    cfg = parse_config(["--preset", "paper", "--bench", "demo", "--verifier-programs", "3", "--lazy-verify"])
+    assert verifier_line(cfg).endswith("; beyond the paper: --lazy-verify True, --verifier-programs 3")
+    assert "beyond the paper: --verify-budget 1, --lazy-verify True" in verifier_line(parse_config([]))
 
 
 def test_ttrl_preset_is_ttrls_scripts():

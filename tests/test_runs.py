@@ -243,6 +243,7 @@ print(f"process {{dist.get_rank()}} of {{dist.get_world_size()}}: run {{run}}, t
 """
 
 
+@pytest.mark.slow
 def test_every_process_of_a_launched_run_shares_its_name_timeout_and_precision(tiny_dir, tmp_path):
     """torchrun, 2 processes, an accelerate config asking for fp16: every process takes the main
     one's run folder, the process group waits out a long checkpoint save, accelerate's mixed
