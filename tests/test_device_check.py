@@ -7,6 +7,8 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from helpers import ROOT, rows
 
 CHECK = ROOT / "launch" / "device-check"
@@ -29,6 +31,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.slow
 def test_dry_run_runs_every_check(tmp_path):
     done = subprocess.run(["bash", str(CHECK / "run.sh"), "--dry"], cwd=ROOT, text=True,
                           env={**os.environ, "WORK_DIR": str(tmp_path)}, capture_output=True,

@@ -37,6 +37,7 @@ def sampler_calls(monkeypatch) -> list[str]:
     return calls
 
 
+@pytest.mark.slow
 def test_a_second_run_takes_the_evaluation_before_training_from_the_cache(tiny_dir, tmp_path, eight, monkeypatch,
                                                                           capsys):
     """T3RL, then TTRL (--omega 1) at another learning rate beside it: the second run samples no evaluation before
@@ -77,7 +78,7 @@ def test_a_damaged_cache_file_is_evaluated_again_and_rewritten(tiny_dir, tmp_pat
     t3rl.train(parse_config(argv("b")))
     assert calls.count("greedy") == 2
     assert json.loads(entry.read_text()) == kept
-    said = [line for line in capsys.readouterr().err.splitlines() if "--eval-cache" in line]
+    said = [line for line in capsys.readouterr().err.splitlines() if "--eval-cache:" in line]
     assert said == [f"[t3rl] --eval-cache: {entry} is unreadable (JSONDecodeError: Expecting value: line 1 "
                     f"column 11 (char 10)); evaluating again and replacing it"]
 

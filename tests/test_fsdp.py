@@ -108,6 +108,7 @@ def assert_trained_alike(ddp, fsdp):
     assert all(torch.allclose(w1[k], w2[k], rtol=1e-4, atol=1e-5) for k in w1)
 
 
+@pytest.mark.slow
 def test_three_processes_under_fsdp_train_as_ddp_with_a_process_without_questions(
         tmp_path_factory, tokenizer, tmp_path, monkeypatch, patched):
     """Steps of two questions on three processes: the third samples nothing and holds no rollout, and
@@ -128,6 +129,7 @@ def test_three_processes_under_fsdp_train_as_ddp_with_a_process_without_question
     shutil.rmtree(tmp_path / "ddp"), shutil.rmtree(tmp_path / "fsdp")  # 140 MB of checkpoints
 
 
+@pytest.mark.slow
 def test_two_processes_under_fsdp_train_as_ddp_resume_exactly_and_save_a_model_folder(
         tmp_path_factory, tokenizer, tmp_path, monkeypatch, patched):
     """Three kept rollouts a question, one a micro-batch: process 0 runs two micro-batches of each

@@ -141,6 +141,7 @@ def test_ground_truth_never_reaches_rewards_or_parameters(tiny_dir, tmp_path, mo
     assert rows(runs[0], "metrics.jsonl")[1]["ground_truth_ratio"] != rows(runs[1], "metrics.jsonl")[1]["ground_truth_ratio"]
 
 
+@pytest.mark.slow
 def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, tmp_path, monkeypatch, patched):
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
@@ -163,6 +164,7 @@ def test_lazy_verification_trains_exactly_as_verifying_every_rollout(tiny_dir, t
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
+@pytest.mark.slow
 def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeypatch, patched):
     """Interrupted in step 4, after the evaluation at step 3 that follows the checkpoint at step 2: the resumed
     run drops that evaluation's rows (metrics and per question) and logs them again, once; 6 steps, so that
@@ -193,6 +195,7 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_resumed_run_writes_the_programs_an_uninterrupted_one_writes(tiny_dir, tmp_path, monkeypatch):
     """A model verifier (the tiny policy verifying itself, sampling at T 0.6) seeds each program from what it
     verifies, so the steps a resumed run redoes get the same programs, verdicts and weights."""
@@ -241,6 +244,7 @@ t3rl.main()
 """
 
 
+@pytest.mark.slow
 def test_sigterm_ends_a_run_as_ctrl_c_does_and_it_resumes(tiny_dir, tmp_path, monkeypatch, patched):
     """A scheduler's SIGTERM (a time limit, scancel) ends the run with the resume line, not with a dead process."""
     write_bench(tmp_path / "data", QUESTIONS)
@@ -267,6 +271,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_slurm_script_launches_one_run_over_two_nodes(tiny_dir, tmp_path):
     """launch/slurm.sbatch as Slurm runs it on 2 nodes x 1 GPU, here on this CPU: a stand-in srun runs its launch
     line once per node with that node's SLURM_NODEID, scontrol names the main node; the two processes meet at
@@ -364,6 +369,7 @@ def assert_trained_alike(one, many):
     assert all(torch.allclose(w1[k], w2[k], rtol=1e-4, atol=1e-5) for k in w1)
 
 
+@pytest.mark.slow
 def test_three_processes_on_steps_of_two_questions_train_like_one(sharp_dir, tmp_path, monkeypatch, patched):
     """Every step leaves one process without a question; two optimizer steps per step, the second against the
     log-probs of the policy that sampled (ratio != 1)."""
@@ -375,6 +381,7 @@ def test_three_processes_on_steps_of_two_questions_train_like_one(sharp_dir, tmp
     assert any(abs(r["grpo/ratio"] - 1) > 1e-4 for r in train_rows)
 
 
+@pytest.mark.slow
 def test_four_processes_on_steps_of_one_question_train_like_one(sharp_dir, tmp_path, monkeypatch, patched):
     """Steps of one question for four processes: three of them hold no rollout in each step and still join
     every collective."""

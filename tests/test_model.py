@@ -94,6 +94,7 @@ def test_offline_models_are_known_by_name_and_alias():
     assert model_lib.offline_model("Qwen/Qwen2.5-Coder-1.5B-Instruct") is None
 
 
+@pytest.mark.slow
 def test_coder_1_5b_parts_assemble_into_the_paper_verifier_gguf():
     """The 22 installed parts concatenate into the GGUF the table claims: the 1.5B coder, Q4_K_M, with its chat
     template (a header read only; converting the 1.5B is left to `python -m machinery.model coder-1.5b`)."""
@@ -127,6 +128,7 @@ def load_models_in_a_new_process(env, *specs) -> list[dict]:
     return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow
 def test_hub_models_come_through_the_hub_client_with_token_mirror_cache_and_offline_mode(tmp_path, tokenizer):
     folder = tmp_path / "tiny"
     make_tiny_model(len(tokenizer)).save_pretrained(folder)
