@@ -94,6 +94,10 @@ class Learner:
     domain: verifier.Domain       # the benchmark's answers, prompts and tool (math, knk)
     run_dir: Path
     sample: object = None         # (records, n, Sampling, seeds, progress) -> [[Completion]]
+    # the sampler, --backend's: (model, tokenizer, prompts, n, Sampling, *, seed, progress) ->
+    # [[Completion]]; kv and hf are sampler.py's, a speed path sets its own (extensions/)
+    generate: object = sampler.generate
+    hold_verifier: object = None  # (model, tokenizer, dtype, device): a speed path keeps its weights
     verify: object = None         # ([ToVerify], known) -> [Verification] (None: no verifier)
     evaluate: object = None       # (records, step) -> each question's evaluation row
     ref_model: torch.nn.Module | None = None  # the starting policy, for the KL term
@@ -140,21 +144,8 @@ def sample_groups(learner: Learner, records, n: int, sampling: Sampling, seeds, 
     sampling.dtype = getattr(torch, learner.cfg.sample_dtype)
     prompts = [policy_prompt(learner.tokenizer, rec["problem"], learner.domain.instruction)
                for rec in records]
-    return generator(learner.cfg)(learner.accelerator.unwrap_model(learner.policy),
-                                  learner.tokenizer, prompts, n, sampling, seed=seeds,
-                                  progress=progress)
-
-
-def generator(cfg: Config):
-    """The sampler's generate for --backend: kv and hf are sampler.py's; kv-fast and vllm enter
-    here, each a generate of the same signature."""
-    if cfg.backend == "kv-fast":
-        from extensions.kv_fast import generate
-        return generate
-    if cfg.backend == "vllm":
-        from extensions.engine import generate
-        return generate
-    return functools.partial(sampler.generate, backend=cfg.backend)
+    return learner.generate(learner.accelerator.unwrap_model(learner.policy), learner.tokenizer,
+                            prompts, n, sampling, seed=seeds, progress=progress)
 
 
 def read_answers(records, groups, domain) -> list:
@@ -333,14 +324,15 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     prompts = [(rec["id"], policy_prompt(tokenizer, rec["problem"], domain.instruction))
                for rec in records]
     runs.check_prompts_fit(prompts, tokenizer, accelerator.unwrap_model(learner.policy), cfg)
-    learner.verify = build_verify(cfg, accelerator, pool, domain, start) if (
-        cfg.verifier_model != "none" and (batches or cfg.eval_samples)) else None
-    if cfg.backend == "kv-fast":  # its kept verifier weights go while the policy updates
+    learner.generate = functools.partial(sampler.generate, backend=cfg.backend)  # kv, hf
+    if cfg.backend == "kv-fast":  # the kv sampler's fast path, the verifier's weights kept its way
         from extensions import kv_fast
-        learner.before_update.append(kv_fast.sleep)
-    if cfg.backend == "vllm":  # the policy's engine now, on every process, asleep in the update
+        kv_fast.serve(learner)
+    if cfg.backend == "vllm":  # an engine per model and process, the policy's asleep in the update
         from extensions import engine
-        engine.serve_policy(learner)
+        engine.serve(learner)
+    learner.verify = build_verify(learner, pool, start) if (
+        cfg.verifier_model != "none" and (batches or cfg.eval_samples)) else None
     if cfg.eval_cache != "none":  # the evaluation before training, kept for a later run
         from extensions import eval_cache
         learner.evaluate = eval_cache.cached(learner.evaluate, cfg, accelerator)
@@ -348,10 +340,13 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     return learner, start
 
 
-def build_verify(cfg: Config, accelerator, pool, domain, start: int):
+def build_verify(learner: Learner, pool, start: int):
     """The run's verify function ([ToVerify], known) -> [Verification], with the verdict memory
     when asked (a class two steps agreed on keeps its verdict)."""
-    verify = verify_function(cfg, build_verifier(cfg, accelerator.device), pool, domain)
+    cfg, accelerator, domain = learner.cfg, learner.accelerator, learner.domain
+    call = build_verifier(cfg, accelerator.device, generate=learner.generate,
+                          hold=learner.hold_verifier)
+    verify = verify_function(cfg, call, pool, domain)
     if cfg.verdict_memory:
         from extensions import memory
         verify = memory.remembering(verify, memory.open_memory(
@@ -374,23 +369,21 @@ def verify_function(cfg: Config, call, pool, domain):
     return verify
 
 
-def build_verifier(cfg: Config, device, loaded=None):
-    """The verifier LLM as a callable [VerifierPrompt] -> [VerifierReply]. 'self' is a frozen
-    copy of the policy's starting weights (--model, not a checkpoint), kept in the sampling dtype.
-    loaded: its (model, tokenizer) when already in memory (the study)."""
+def build_verifier(cfg: Config, device, generate=sampler.generate, hold=None, loaded=None):
+    """The verifier LLM as a callable [VerifierPrompt] -> [VerifierReply] that samples with
+    `generate`. 'self' is a frozen copy of the policy's starting weights (--model, not a
+    checkpoint), kept in the sampling dtype. hold: a speed path's (model, tokenizer, dtype, device)
+    -> None, which keeps the weights its own way (kv-fast's layout, vLLM's engine). loaded: its
+    (model, tokenizer) when already in memory (the study)."""
     spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
     dtype = getattr(torch, cfg.sample_dtype)
     vmodel, vtok = loaded or models.load_model(spec, dtype=dtype)
-    # an engine serving the verifier holds its weights: the model's own copy stays in CPU memory
-    vmodel.requires_grad_(False).to("cpu" if cfg.backend == "vllm" else device)
-    if cfg.backend == "kv-fast" and loaded is None:  # its only reader: one copy of its weights
-        from extensions import kv_fast
-        kv_fast.sampling_only(vmodel, getattr(vmodel, "name_or_path", ""))
-    if cfg.backend == "vllm":  # its engine now, on every process
-        from extensions import engine
-        engine.start(vmodel, vtok, dtype, frozen=True)
-    return verifier.model_verifier(vmodel, vtok, cfg.verifier_max_new_tokens, cfg.seed,
-                                   generator(cfg))
+    vmodel.requires_grad_(False)
+    if hold:
+        hold(vmodel, vtok, dtype, device)
+    else:
+        vmodel.to(device)
+    return verifier.model_verifier(vmodel, vtok, cfg.verifier_max_new_tokens, cfg.seed, generate)
 
 
 def bench_domain(bench: str) -> verifier.Domain:

@@ -10,6 +10,7 @@ call's seconds, seconds per prompt and generated tokens per second.
     python -m bench.engine [--backends hf kv kv-fast vllm] [--roles policy verifier] [--max-new-tokens 256]
 """
 import argparse
+import functools
 import json
 import os
 import time
@@ -18,9 +19,10 @@ import torch
 
 import importlib.util
 
+import sampler
 import t3rl
 from bench.sampler import verifier_bench_prompts
-from config import Config
+from extensions import engine, kv_fast
 from machinery.model import load_model
 from sampler import Sampling
 from verifier import MATH
@@ -43,11 +45,11 @@ def role_inputs(role: str, questions: int, n: int):
 
 def bench_backend(backend, model, tokenizer, prompts, n, frozen, max_new_tokens) -> dict:
     """One warm-up call (start-up: the engine's start, the weights' first load), then the timed one;
-    t3rl.generator picks each backend's generate, as a run does."""
-    generate = t3rl.generator(Config(backend=backend))
+    each backend's generate, as t3rl.setup enters it."""
+    generate = {"kv-fast": kv_fast.generate, "vllm": engine.generate}.get(backend) or functools.partial(
+        sampler.generate, backend=backend)
     dtype = None if backend == "hf" else torch.bfloat16
     if backend == "vllm":  # started as a run starts it: the policy's engine sleeps, the verifier's not
-        from extensions import engine
         engine.start(model, tokenizer, dtype, frozen=frozen)
     started = time.perf_counter()
     generate(model, tokenizer, prompts[:1], 1, Sampling(1, 0.6, 0.95, dtype, True), seed=[0])

@@ -1,8 +1,8 @@
 """Sample on vLLM, colocated: one inference engine per model per process, its weights synced from
 the trainer.
 
-    serve_policy(learner)      # t3rl.setup: start(policy, ..., sleeps=True), stop() at the end
-    generate(model, tokenizer, prompts, n, Sampling(...))   # t3rl.generator's
+    serve(learner)   # t3rl.setup's one call: this generate, the engines started, stop() at the end
+    generate(model, tokenizer, prompts, n, Sampling(...))   # sampler.generate's signature
 
 What an RL library does with an engine, and how it is done here (TRL's colocate mode, verl's hybrid
 engine):
@@ -78,16 +78,24 @@ def start(model, tokenizer, dtype: torch.dtype | None = None, *, sleeps: bool = 
     return engine
 
 
-def serve_policy(learner):
-    """t3rl.setup's one call for --backend vllm: the policy's engine started now on every process
-    (once the GPU's memory is seen to fit), asleep during each update, shut down when the run
-    ends."""
+def serve(learner):
+    """t3rl.setup's one call for --backend vllm: the run samples with this generate; once the GPU's
+    memory is seen to fit both, the policy's engine starts now on every process, asleep during
+    each update, and the verifier's when it is built (its model's own copy stays in CPU memory);
+    both shut down when the run ends."""
     cfg, accelerator = learner.cfg, learner.accelerator
-    check_gpu_memory(learner.policy, learner.verify is not None, cfg.parallel, accelerator)
+    check_gpu_memory(learner.policy, cfg.verifier_model != "none", cfg.parallel, accelerator)
     start(accelerator.unwrap_model(learner.policy), learner.tokenizer,
           getattr(torch, cfg.sample_dtype), sleeps=True)
+    learner.generate, learner.hold_verifier = generate, hold_verifier
     learner.before_update.append(sleep)
     learner.releases.callback(stop)
+
+
+def hold_verifier(model, tokenizer, dtype, device):
+    """The verifier's engine, started now on every process from the model in CPU memory (whatever
+    the trainer's device)."""
+    start(model, tokenizer, dtype, frozen=True)
 
 
 def generate(model, tokenizer, prompts, n: int, sampling, *, seed=None, progress=None) -> list:

@@ -1,6 +1,6 @@
 """The kv sampler's fast path (--backend kv-fast): sampler.py's KV-cache sampler made fast and fit
-in memory, a generate of sampler.generate's signature that t3rl.generator picks at one call. What it
-adds to the plain loop:
+in memory, a generate of sampler.generate's signature; t3rl.setup enters it at one call, serve. What
+it adds to the plain loop:
 
     waves          rows in waves whose cache fits a memory budget (default: half the free memory)
     packing        on a CPU in bfloat16 each weight reordered once per call into oneDNN's blocked
@@ -43,6 +43,19 @@ class Settings:
 
 
 SETTINGS = Settings()
+
+
+def serve(learner):
+    """t3rl.setup's one call for --backend kv-fast: the run samples with this generate, and the
+    verifier's weights are read from its files, kept, and dropped while the policy updates."""
+    learner.generate, learner.hold_verifier = generate, hold_verifier
+    learner.before_update.append(sleep)
+
+
+def hold_verifier(model, tokenizer, dtype, device):
+    """The verifier's weights held by this sampler alone (sampling_only), its module on `device`."""
+    sampling_only(model, getattr(model, "name_or_path", ""))
+    model.to(device)
 
 
 def generate(model, tokenizer, prompts, n: int, sampling: Sampling, *, seed=None, progress=None):

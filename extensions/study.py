@@ -23,6 +23,7 @@ The design in full (the intervals, the token costs, --agent, growing a study):
 docs/usage.md#the-evidence-study.
 """
 import argparse
+import functools
 import itertools
 import json
 import math
@@ -37,9 +38,10 @@ import numpy as np
 
 import torch
 
+import sampler
 import t3rl
 from config import parse_config
-from extensions import agent
+from extensions import agent, engine, kv_fast
 from machinery import model
 from machinery.benchmarks import load_bench
 from machinery.metrics import group_metrics
@@ -439,7 +441,12 @@ def run_study(cfg) -> Path:
     policy.to(device)  # it never trains
     domain = t3rl.bench_domain(cfg.bench)
     weights = (policy, tokenizer) if cfg.verifier_model == "self" else None
-    verify_call = t3rl.build_verifier(cfg, device, loaded=weights)
+    # --backend's generate, and a speed path's hold on the verifier's weights (not on the policy's)
+    speed = {"kv-fast": kv_fast, "vllm": engine}.get(cfg.backend)
+    generate = speed.generate if speed else functools.partial(sampler.generate,
+                                                              backend=cfg.backend)
+    hold = speed.hold_verifier if speed and not weights else None
+    verify_call = t3rl.build_verifier(cfg, device, generate=generate, hold=hold, loaded=weights)
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, getattr(torch,
                                                                               cfg.sample_dtype))
     with SandboxPool(timeout=SANDBOX_TIMEOUT) as pool:
@@ -452,8 +459,8 @@ def run_study(cfg) -> Path:
             seeds = [t3rl.question_seed(cfg.seed, -1, rec["id"], "study" + grown) for rec in batch]
             prompts = [t3rl.policy_prompt(tokenizer, rec["problem"], domain.instruction)
                        for rec in batch]
-            groups = t3rl.generator(cfg)(policy, tokenizer, prompts, n, sampling, seed=seeds,
-                                         progress="study")
+            groups = generate(policy, tokenizer, prompts, n, sampling, seed=seeds,
+                              progress="study")
             answers = t3rl.read_answers(batch, groups, domain)
             verdicts = t3rl.verify_groups(verify, cfg.seed, batch, groups, answers, -1,
                                           "study" + grown)

@@ -5,6 +5,7 @@ import json
 import pytest
 from accelerate import Accelerator
 
+import sampler
 import t3rl
 import verifier
 from config import Config, parse_config
@@ -24,16 +25,12 @@ def eight(tmp_path, monkeypatch, patched):
 
 def sampler_calls(monkeypatch) -> list[str]:
     """The progress label of every sampler call from here on ('rollout', 'greedy', 'eval', ...)."""
-    calls, real = [], t3rl.generator
+    calls, real = [], sampler.generate
 
-    def recording(cfg):
-        generate = real(cfg)
-
-        def recorded(*args, **kwargs):
-            calls.append(kwargs["progress"])
-            return generate(*args, **kwargs)
-        return recorded
-    monkeypatch.setattr(t3rl, "generator", recording)
+    def recorded(*args, **kwargs):
+        calls.append(kwargs["progress"])
+        return real(*args, **kwargs)
+    monkeypatch.setattr(sampler, "generate", recorded)
     return calls
 
 
@@ -136,7 +133,9 @@ def test_every_option_the_evaluation_before_training_reads_is_in_its_cache_key(t
     t3rl.train(cfg)
     BUILD_VERIFIER(recorded, "cpu")  # the verifier the evaluation's vote uses, and what wraps it
     with SandboxPool(workers=1) as pool:
-        t3rl.build_verify(recorded, Accelerator(cpu=True), pool, verifier.MATH, 0)
+        learner = t3rl.Learner(recorded, Accelerator(cpu=True), None, None, None, None, None, verifier.MATH,
+                               tmp_path)
+        t3rl.build_verify(learner, pool, 0)
     assert {"eval_samples", "seed", "omega", "verifier_max_new_tokens", "sample_dtype"} <= recorded.read
     # the memory teaches nothing at an evaluation, which verifies afresh (tests/test_memory.py)
     assert recorded.read - {"verdict_memory"} <= set(eval_cache.SAMPLES) | set(eval_cache.VERDICTS)

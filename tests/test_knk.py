@@ -7,6 +7,7 @@ import sys
 import pytest
 
 import config
+import sampler
 import t3rl
 import verifier
 from config import parse_config
@@ -209,9 +210,9 @@ def test_knk_training_step_votes_with_solver_verified_rollouts(tiny_dir, tmp_pat
     def encoding_verifier(prompts):
         return [smt_block(reference_smt(next(r for p, r in by_problem.items() if p in prompt.user))) for prompt in prompts]
 
-    policy_prompts, real_generator = [], t3rl.generator
-    monkeypatch.setattr(t3rl, "generator", lambda cfg: lambda model, tok, prompts, *a, **kw: (
-        policy_prompts.extend(prompts) or real_generator(cfg)(model, tok, prompts, *a, **kw)))
+    policy_prompts, real_generate = [], sampler.generate
+    monkeypatch.setattr(sampler, "generate", lambda model, tok, prompts, *a, **kw: (
+        policy_prompts.extend(prompts) or real_generate(model, tok, prompts, *a, **kw)))
     monkeypatch.setattr(knk, "KNK", dataclasses.replace(knk.KNK, extract=scripted_answer))
     monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: encoding_verifier)
     monkeypatch.delenv("T3RL_DATA_DIR", raising=False)  # data/knk.jsonl, the committed set

@@ -11,6 +11,7 @@ import torch
 from accelerate import Accelerator
 
 import config
+import sampler
 import t3rl
 import verifier
 from config import parse_config
@@ -157,18 +158,16 @@ def _recorded_evaluation(tiny_dir, tmp_path, monkeypatch, **options):
     sampled."""
     calls = []
     cfg = parse_config(tiny_argv(tiny_dir, tmp_path, verifier_model="none", **options))
-    generate = t3rl.generator(cfg)
 
     def recording_generate(*args, **kwargs):
-        out = generate(*args, **kwargs)
+        out = sampler.generate(*args, backend=cfg.backend, **kwargs)
         calls.append((args[4], kwargs["progress"], [[c.text for c in group] for group in out]))
         return out
-    monkeypatch.setattr(t3rl, "generator", lambda cfg: recording_generate)
     text_domain = dataclasses.replace(verifier.MATH, extract=lambda text, problem: text, same=lambda a, b: a == b,
                                       key=lambda a: a, equiv=lambda a, gold: len(a) % 2 == 0)
     policy, tokenizer = load_model(str(tiny_dir))
     learner = t3rl.Learner(cfg, Accelerator(cpu=True), policy, policy, tokenizer, None, None, text_domain,
-                           tmp_path)
+                           tmp_path, generate=recording_generate)
     learner.sample = functools.partial(t3rl.sample_groups, learner)
     records = [{"id": f"q{i}", "problem": f"What is {i} + {i}?", "answer": str(2 * i)} for i in range(12)]
     per_question = t3rl.evaluate(learner, records)
