@@ -221,6 +221,9 @@ def check_timeout(timeout) -> float:
     return float(timeout)
 
 
+# The messages' format, written twice on purpose: the helper's _send and _recv
+# (machinery/sandbox_server.py) are the other end, in a program that imports nothing of the project.
+
 def send_message(sock, obj):
     """obj as JSON behind its length (4 bytes, network order)."""
     data = json.dumps(obj).encode()
@@ -236,13 +239,13 @@ def receive_message(sock):
 
 def receive_bytes(sock, n: int) -> bytes | None:
     """Exactly n bytes from sock, or None when the other end closed it first."""
-    data = b""
+    data = bytearray()
     while len(data) < n:
         chunk = sock.recv(n - len(data))
         if not chunk:
             return None
         data += chunk
-    return data
+    return bytes(data)
 
 
 def _shutdown(helper, ctrl, workers):
