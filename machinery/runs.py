@@ -32,6 +32,7 @@ from accelerate.utils import (DistributedDataParallelKwargs, InitProcessGroupKwa
 
 from config import BEYOND_PAPER, Config, flag
 from grpo import bf16_supported
+from verifier import TEMPERATURE, TOP_P
 
 # The process group's timeout for every collective (NCCL's default: 10 minutes): the others wait at
 # a barrier while the main process writes a checkpoint, 18.5 GB for the paper's 1.5B policy and its
@@ -290,8 +291,8 @@ def verifier_line(cfg: Config) -> str:
         what = "no verifier (--verifier-model none): TTRL's majority vote"
     else:
         what = (f"verifier {cfg.verifier_model}, {cfg.verifier_max_new_tokens} tokens a program at "
-                f"T 0.6 / top-p 0.95" + ("" if beyond else "; the paper's: one program per "
-                                          "rollout, every rollout verified"))
+                f"T {TEMPERATURE} / top-p {TOP_P}")
+        what += "" if beyond else "; the paper's: one program per rollout, every rollout verified"
     return what + (f"; beyond the paper: {', '.join(beyond)}" if beyond else "")
 
 
