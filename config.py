@@ -179,6 +179,12 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def builds_verifier(cfg: Config) -> bool:
+    """Whether the run loads a verifier: one is named, and the run trains (its rollouts) or samples
+    evaluation answers (which it verifies at omega > 1)."""
+    return cfg.verifier_model != "none" and bool(cfg.episodes or cfg.eval_samples)
+
+
 def fsdp_launched() -> bool:
     """Whether accelerate launched this process with an FSDP config."""
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("true", "1")

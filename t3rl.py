@@ -32,7 +32,7 @@ from accelerate.utils import gather_object, set_seed
 from tqdm import tqdm
 
 import verifier
-from config import Config, OptionError, parse_config
+from config import Config, OptionError, builds_verifier, parse_config
 from grpo import Rollouts, grpo_step, make_optimization
 from machinery import benchmarks, metrics, model as models, runs
 import sampler
@@ -331,8 +331,7 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     if cfg.backend == "vllm":  # an engine per model and process, the policy's asleep in the update
         from extensions import engine
         engine.serve(learner)
-    learner.verify = build_verify(learner, pool, start) if (
-        cfg.verifier_model != "none" and (batches or cfg.eval_samples)) else None
+    learner.verify = build_verify(learner, pool, start) if builds_verifier(cfg) else None
     if cfg.eval_cache != "none":  # the evaluation before training, kept for a later run
         from extensions import eval_cache
         learner.evaluate = eval_cache.cached(learner.evaluate, cfg, accelerator)

@@ -34,7 +34,7 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from config import OptionError
+from config import OptionError, builds_verifier
 from sampler import Completion, checked_arguments, decode_texts
 
 # CPU: KV-cache memory per engine (vLLM's default would take 90 % of the machine's memory)
@@ -84,7 +84,7 @@ def serve(learner):
     each update, and the verifier's when it is built (its model's own copy stays in CPU memory);
     both shut down when the run ends."""
     cfg, accelerator = learner.cfg, learner.accelerator
-    check_gpu_memory(learner.policy, cfg.verifier_model != "none", cfg.parallel, accelerator)
+    check_gpu_memory(learner.policy, builds_verifier(cfg), cfg.parallel, accelerator)
     start(accelerator.unwrap_model(learner.policy), learner.tokenizer,
           getattr(torch, cfg.sample_dtype), sleeps=True)
     learner.generate, learner.hold_verifier = generate, hold_verifier

@@ -276,3 +276,18 @@ def test_a_run_ends_with_where_its_time_went(tiny_dir, tmp_path, monkeypatch, ca
     shares = dict((phase, int(share)) for phase, share in re.findall(r"(\w+) [\d.]+ \((\d+)%\)", line))
     assert list(shares) == ["load", "evaluation", "sample", "verify", "update", "other"]
     assert shares["evaluation"] >= 100 * 4 / wall - 1 and abs(sum(shares.values()) - 100) <= 3
+
+
+@pytest.mark.parametrize("episodes,eval_samples,loaded", [(0, 0, False), (0, 2, True), (1, 0, True)])
+def test_the_verifier_loads_only_when_the_run_trains_or_samples_answers_to_verify(
+        tiny_dir, tmp_path, monkeypatch, episodes, eval_samples, loaded):
+    """An evaluation-only run of greedy answers verifies nothing, so it loads no verifier (nor counts one in
+    the engine's GPU memory check: config.builds_verifier)."""
+    calls = []
+    monkeypatch.setattr(t3rl, "build_verifier", lambda cfg, device, **kw: calls.append(cfg) or (
+        lambda prompts: ["no code"] * len(prompts)))
+    cfg = parse_config(tiny_argv(tiny_dir, tmp_path, episodes=episodes, eval_samples=eval_samples, max_steps=1,
+                                 limit=2))
+    assert config.builds_verifier(cfg) is loaded
+    t3rl.train(cfg)
+    assert len(calls) == int(loaded)
