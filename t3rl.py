@@ -74,9 +74,9 @@ def rl_step(step: int, questions: list[dict], learner: "Learner") -> dict:
     runs.log_rollouts(step, shard, groups, answers, verdicts, judged, learner.run_dir, accelerator)
     monitors = [metrics.question_monitors(*question, learner.domain, cfg.omega)
                 for question in zip(shard, groups, answers, verdicts, judged)]
-    for name, monitor in learner.monitors.items():  # an extension's own (agent: its tool calls)
-        for stats, group, ans in zip(monitors, groups, answers):
-            stats[name] = monitor(group, ans)
+    for name, monitor in learner.monitors.items():  # an extension's own counts (agent: tool calls)
+        for stats, group, ans, ver in zip(monitors, groups, answers, verdicts):
+            stats[name] = monitor(group, ans, ver)
     return metrics.step_metrics(step, gather_object(monitors), update, gather_object([clock]),
                                 list(learner.monitors))
 
@@ -97,13 +97,13 @@ class Learner:
     # the sampler, --backend's: (model, tokenizer, prompts, n, Sampling, *, seed, progress) ->
     # [[Completion]]; kv and hf are sampler.py's, a speed path sets its own (extensions/)
     generate: object = sampler.generate
-    hold_verifier: object = None  # (model, tokenizer, dtype, device): a speed path keeps its weights
+    hold_verifier: object = None  # (model, tokenizer, dtype, device): a speed path keeps weights
     verify: object = None         # ([ToVerify], known) -> [Verification] (None: no verifier)
     evaluate: object = None       # (records, step) -> each question's evaluation row
     ref_model: torch.nn.Module | None = None  # the starting policy, for the KL term
     before_update: list = field(default_factory=list)  # extensions' memory given back
     releases: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)  # at the run's end
-    monitors: dict = field(default_factory=dict)  # name -> (group, answers) -> counts
+    monitors: dict = field(default_factory=dict)  # name -> (group, answers, verdicts) -> counts
     full_state: object = None     # (trained, optimizer) -> both in full, for a checkpoint (FSDP)
     load_optimizer: object = None  # state -> None: a resume's, onto the shards (FSDP)
 
@@ -308,7 +308,7 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     if cfg.agent:  # TTRL-Agent: the policy runs its own python blocks in the sandbox
         from extensions import agent
         learner.sample = agent.sampling(learner, pool, policy_prompt)
-        learner.monitors["agent"] = agent.agent_monitors
+        learner.monitors["agent"] = agent.monitor
     if cfg.parallel == "fsdp":  # the update trains shards, the samplers read a full copy of them
         from extensions import fsdp
         fsdp.shard(learner)
@@ -345,26 +345,31 @@ def build_verify(learner: Learner, pool, start: int):
     cfg, accelerator, domain = learner.cfg, learner.accelerator, learner.domain
     call = build_verifier(cfg, accelerator.device, generate=learner.generate,
                           hold=learner.hold_verifier)
-    verify = verify_function(cfg, call, pool, domain)
+    verify = verify_function(cfg, call, pool, domain, learner.monitors)
     if cfg.verdict_memory:
         from extensions import memory
         verify = memory.remembering(verify, memory.open_memory(
             runs.run_dir_of(cfg), start, domain, accelerator.is_main_process), gather_object)
+        learner.monitors["memory"] = memory.monitor
     return verify
 
 
-def verify_function(cfg: Config, call, pool, domain):
+def verify_function(cfg: Config, call, pool, domain, monitors=None):
     """The paper's verification (one program per rollout, every rollout) with the verifier LLM
-    `call`, or what the options beyond it make of it, each entered here at one call."""
+    `call`, or what the options beyond it make of it, each entered here with its monitor (into
+    `monitors`: Learner.monitors)."""
+    monitors = {} if monitors is None else monitors
     verify = functools.partial(verifier.verify_batch, verifier=call, pool=pool, domain=domain)
     if cfg.verifier_programs > 1 or cfg.verifier_repair:  # several programs, repair
         from extensions import programs
         verify = functools.partial(programs.several, verifier=call, pool=pool, domain=domain,
                                    programs=cfg.verifier_programs, repair=cfg.verifier_repair)
+        monitors["programs"] = programs.monitor
     if cfg.verify_budget or cfg.lazy_verify:  # verify a class by some of its rollouts
         from extensions import budget
         verify = budget.budgeted(verify, cfg.verify_budget,
                                  cfg.omega if cfg.lazy_verify and cfg.omega > 1 else None, domain)
+        monitors["budget"] = budget.monitor
     return verify
 
 

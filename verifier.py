@@ -80,7 +80,8 @@ def verify_batch(rollouts: list, known: list, verifier, pool, domain=None) -> li
 
 def verify_unknown(rollouts: list, known: list, verify) -> list:
     """A Verification per rollout: `known` ones kept, one without an answer no_answer, the others
-    from verify([ToVerify]) -> [Verification] in one call, each with its share of the call's time."""
+    from verify([ToVerify]) -> [Verification] in one call, each with its share of the call's
+    time."""
     todo = [i for i, (r, k) in enumerate(zip(rollouts, known))
             if k is None and r.answer is not None]
     started = time.perf_counter()

@@ -38,9 +38,8 @@ import t3rl
 from answers import _boxes, _fraction_str, answer_key, extract_answer, same_answer
 from config import Config, resumed_config
 from extensions import knk
-from extensions.programs import FURTHEST, REPRODUCED
+from extensions.programs import FURTHEST, REPRODUCED, programs_written
 from machinery.benchmarks import load_bench
-from machinery.metrics import programs_written
 from machinery.model import load_model
 from machinery.runs import read_jsonl_rows
 from sandbox import SandboxPool
@@ -443,7 +442,7 @@ def memory_replay(run_dir, verifier=None):
                          for ans, ver in zip(answers, judged)]
                 flat = [res for ver in judged for res in ver]
                 afresh_tokens = sum(res.tokens or 0 for res in flat)
-                afresh_programs = sum(map(programs_written, flat))
+                afresh_programs = sum(programs_written(res)[0] for res in flat)
             same = sum(a == b for a, b in zip(kept, fresh))
             for key, value in (("steps", 1), ("memory", row["verifier_tokens"]),
                                ("afresh", afresh_tokens), ("same", same),
@@ -452,7 +451,8 @@ def memory_replay(run_dir, verifier=None):
                 total[key] += value
             programs = "-" if afresh_programs is None else afresh_programs
             print(f"{step:>4}{episode:>8}{row['verifier_tokens']:>10}/{afresh_tokens:<8}"
-                  f"{row['programs_written']:>11}/{programs!s:<9}{row['verdicts_reused']:>8}"
+                  f"{replies(steps[step]):>11}/{programs!s:<9}"
+                  f"{row['extensions']['memory']['reused']:>8}"
                   f"{same:>8}/{len(kept):<4}", flush=True)
     for episode, t in sorted(totals.items()):
         print(f"episode {episode}: verifier tokens per step {t['memory'] / t['steps']:.0f} with "
@@ -460,6 +460,16 @@ def memory_replay(run_dir, verifier=None):
               f"{t['same']} of {t['questions']}; label accuracy {t['right_memory']} / "
               f"{t['right_afresh']} of {t['questions']} (memory / afresh)")
     return totals
+
+
+def replies(questions: dict) -> int:
+    """The verifier replies a step of a run took, from its rollouts.jsonl rows ({question: rows}):
+    each rollout judged by its own programs, each program and repair counted."""
+    return sum(programs_written(SimpleNamespace(
+        inferred=r["inherited"], code=r["program"] or "", completion=None, programs=r["programs"],
+        repaired_from=r["repaired_from"]))[0]
+        for rows in questions.values() for r in rows
+        if r["status"] not in (None, "no_answer", "skipped"))
 
 
 def timed_pass(problems, texts, answers, cfg, domain, omega, model_call, written=None):

@@ -165,10 +165,11 @@ def shown_output(result) -> str:
     return text if len(text) <= OUTPUT_CHARS else "[... cut ...]" + text[-OUTPUT_CHARS:]
 
 
-def agent_monitors(group, answers) -> dict:
+def monitor(group, answers, verdicts) -> dict:
     """One question's tool use, as counts (a step's metrics row sums them: extensions.agent): the
     calls, the rollouts calling, the calls' statuses, the rollouts whose final answer is what a call
-    printed (its last line), and the tool tokens in the rollouts. Monitoring only."""
+    printed (its last line), and the tool tokens in the rollouts. Monitoring only; the verdicts are
+    the verifier's, not the agent's."""
     calls = [c.tool_calls or [] for c in group]
     from_tool = sum(answer is not None
                     and any(tool_agrees(last_line(call.output), answer) for call in made)

@@ -36,6 +36,15 @@ def budgeted(verify, budget: int, omega: float | None, domain):
     return verify_some
 
 
+def monitor(group, answers, verdicts) -> dict:
+    """One question's verifier calls spared (a step's metrics row sums them: extensions.budget):
+    rollouts that took their class's verdict, and rollouts never sent (lazily: no verdict of theirs
+    could change the label)."""
+    made = [res for res in verdicts if res is not None]
+    return {"inherited": sum(res.inferred and not res.remembered for res in made),
+            "skipped": sum(res.status == "skipped" for res in made)}
+
+
 def verification_rounds(groups, answers, results, domain, budget=0, omega=None):
     """The verifier calls of one batch: yields, call by call, the answer classes (lists of rollout
     indices) whose rollouts go into it; the caller fills `results` in before asking for the next.

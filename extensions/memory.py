@@ -30,6 +30,12 @@ def remembering(verify, memory: "VerdictMemory", gather):
     return verify_remembered
 
 
+def monitor(group, answers, verdicts) -> dict:
+    """One question's verdicts taken from the memory (a step's metrics row sums them:
+    extensions.memory), each a verifier call spared."""
+    return {"reused": sum(res is not None and res.remembered for res in verdicts)}
+
+
 def open_memory(run_dir, start_step: int, domain, main: bool) -> "VerdictMemory":
     """The run's memory from its verdicts.jsonl, the rows before the step it starts at (the main
     process drops the later ones: a resumed run goes on from its checkpoint, as one that never

@@ -49,6 +49,23 @@ def several(rollouts, known, verifier, pool, domain, programs: int, repair: bool
     return verify_unknown(rollouts, known, verify_todo)
 
 
+def monitor(group, answers, verdicts) -> dict:
+    """One question's verifier replies (a step's metrics row sums them: extensions.programs): the
+    programs written and the repairs among them."""
+    written = [programs_written(res) for res in verdicts]
+    return {"written": sum(n for n, _ in written), "repairs": sum(r for _, r in written)}
+
+
+def programs_written(result) -> tuple[int, int]:
+    """The verifier replies a rollout's verdict took, and the repairs among them: (0, 0) for one
+    inherited, remembered or skipped."""
+    if result is None or result.inferred or result.code is None and result.completion is None:
+        return 0, 0
+    programs = result.programs or [{"repaired_from": result.repaired_from}]
+    repairs = sum(p["repaired_from"] is not None for p in programs)
+    return len(programs) + repairs, repairs
+
+
 def program_seed(seed, j: int):
     """The seed of a rollout's j-th program: the rollout's own for the first (one program per
     rollout samples as the paper's single one), a hash of it and j for the others."""

@@ -58,20 +58,8 @@ def question_monitors(rec, group, answers, verdicts, vote, domain: Domain, omega
                                               for vi, ci, x in zip(vote.v, correct, inherited))
     stats["statuses"] = [res.status for res in results]
     stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
-    stats["verifier_calls_saved"] = sum(res.inferred or res.status == "skipped" for res in results)
-    stats["verdicts_reused"] = sum(res.remembered for res in results)  # --verdict-memory
-    stats["programs_written"] = sum(map(programs_written, results))  # with repairs
     stats["response_tokens"] = [c.num_tokens for c in group]
     return stats
-
-
-def programs_written(result) -> int:
-    """The verifier replies a rollout's verdict took: its programs and their repairs (0 for one
-    inherited, remembered or skipped)."""
-    if result is None or result.inferred or result.code is None and result.completion is None:
-        return 0
-    programs = result.programs or [{"repaired_from": result.repaired_from}]
-    return sum(1 + (p["repaired_from"] is not None) for p in programs)
 
 
 def group_metrics(vote: Vote, answers, verified, omega, gold=None, same=None, key=None) -> dict:
@@ -144,9 +132,6 @@ def step_metrics(step, per_question, update, seconds, extensions=()) -> dict:
     row["response_length"] = mean(lengths)
     row["policy_tokens"] = sum(lengths)
     row["verifier_tokens"] = sum(q["verifier_tokens"] for q in per_question)
-    row["verifier_calls_saved"] = sum(q["verifier_calls_saved"] for q in per_question)
-    row["verdicts_reused"] = sum(q["verdicts_reused"] for q in per_question)
-    row["programs_written"] = sum(q["programs_written"] for q in per_question)
     if extensions:
         row["extensions"] = {name: sum_counts([q[name] for q in per_question])
                              for name in extensions}
@@ -331,7 +316,8 @@ def _training_lines(train_rows: list[dict]) -> list[str]:
     # each extension's counts over the run (agent: the policy's own tool use)
     totals = sum_counts([{f"{name} {key}": value for name, counts in r.get("extensions", {}).items()
                         for key, value in counts.items()} for r in train_rows])
-    lines += [f"{key:<28}{value:>10}" for key, value in totals.items() if not isinstance(value, dict)]
+    lines += [f"{key:<28}{value:>10}" for key, value in totals.items()
+              if not isinstance(value, dict)]
     return lines
 
 

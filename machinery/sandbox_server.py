@@ -130,7 +130,8 @@ def _block_sockets():
 # --------------------------------------------------------------------------------------------------
 # Messages: caller <-> worker over a stream socket (length-prefixed JSON); caller -> helper over a
 # SOCK_SEQPACKET socket (one JSON message each, carrying the worker's socket as a passed file
-# descriptor). sandbox.py's send_message and receive_message are the caller's end of _send and _recv.
+# descriptor). sandbox.py's send_message and receive_message are the caller's end of _send and
+# _recv.
 
 def _send(sock, obj):
     data = json.dumps(obj).encode()

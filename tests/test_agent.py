@@ -237,11 +237,11 @@ def test_an_interrupted_agent_run_resumes_exactly_and_logs_its_tool_use(tiny_dir
     assert counts["rollouts_calling"] == sum(bool(r["tool_calls"]) for r in first)
 
 
-def test_agent_monitors_count_the_rollouts_whose_answer_a_call_printed(tokenizer, pool):
-    from extensions.agent import agent_monitors
+def test_agent_monitor_counts_the_rollouts_whose_answer_a_call_printed(tokenizer, pool):
+    from extensions.agent import monitor
     right = scripted_text(tokenizer, pool, "```python\nprint(6 * 7)\n```|So \\boxed{42}.")
     other = scripted_text(tokenizer, pool, "```python\nprint(6 * 7)\n```|So \\boxed{41}.")
-    stats = agent_monitors([right, other], ["42", "41"])
+    stats = monitor([right, other], ["42", "41"], [None, None])
     assert stats["tool_calls"] == 2 and stats["rollouts_calling"] == 2 and stats["answer_from_tool"] == 1
     assert stats["tool_statuses"] == {"ok": 2}
     assert stats["tool_tokens"] == sum(right.tool_mask) + sum(other.tool_mask) > 0

@@ -115,7 +115,9 @@ def test_bench_memory_verifies_the_later_episodes_again_without_the_memory(tiny_
         tiny_dir, tmp_path / "out", episodes=3, max_steps=0, limit=2, questions_per_step=2,
         eval_samples=0, verdict_memory=True, lazy_verify=False)))
     metrics = [r for r in map(json.loads, open(run / "metrics.jsonl")) if r.get("kind") == "train"]
-    assert [(r["programs_written"], r["verdicts_reused"]) for r in metrics] == [(2, 0), (2, 0), (0, 8)]
+    # 7 tokens a program, one program a question until the memory reuses both classes' verdicts
+    assert [(r["verifier_tokens"], r["extensions"]["memory"]["reused"]) for r in metrics] == [
+        (14, 0), (14, 0), (0, 8)]
     asked.clear()
     totals = bench_verifier.memory_replay(run, verifier=writes_two)
     assert asked == [2, 2]  # episodes 2 and 3, verified again: one program per question (budget 1)

@@ -51,8 +51,7 @@ def test_an_extensions_counts_are_summed_over_the_questions_and_shown():
                 "flipped": 0.0, "flip_fixed": 0.0, "flip_broke": 0.0, "pass@N": 1.0, "statuses": [],
                 "correct": 2, "judged_verified": 0, "verified_correct": 0, "correct_judged": 0,
                 "inherited_verified": 0, "inherited_verified_correct": 0, "no_answer": 0,
-                "response_tokens": [3, 4], "verifier_tokens": 0, "verifier_calls_saved": 0,
-                "verdicts_reused": 0, "programs_written": 0}
+                "response_tokens": [3, 4], "verifier_tokens": 0}
     per_question = [question | {"agent": {"tool_calls": 2, "tool_statuses": {"ok": 2}}},
                     question | {"agent": {"tool_calls": 1, "tool_statuses": {"ok": 0, "error": 1}}}]
     row = step_metrics(0, per_question, {}, [{"sample": 1.0}], ["agent"])

@@ -5,7 +5,6 @@ from types import SimpleNamespace
 
 from extensions import budget, programs
 from helpers import RAISES, RIGHT, WRONG, ScriptedVerifier, rollouts
-from machinery.metrics import programs_written
 from verifier import MATH, verifier_prompt
 
 
@@ -85,5 +84,6 @@ def test_programs_written_counts_repairs_and_no_inherited_verdict(verify_pool):
     repairing = functools.partial(programs.several, verifier=verifier, pool=verify_pool, domain=MATH, programs=1,
                                   repair=True)
     results = budget.budgeted(repairing, 1, None, MATH)(rollouts("55", "55", "55"), [None] * 3)
-    assert [programs_written(r) for r in results] == [2, 0, 0]
+    assert [programs.programs_written(r) for r in results] == [(2, 1), (0, 0), (0, 0)]
+    assert programs.monitor(None, None, results) == {"written": 2, "repairs": 1}
     assert results[1].inferred and results[0].status == "repaired"

@@ -80,6 +80,9 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
         both = [r for r in verified if r["answer"] == gold[r["id"]]]
         inherited += sum(r["v"] and r["inherited"] for r in step)
         assert m["inherited_verified_rollouts"] == sum(r["v"] and r["inherited"] for r in step)
+        # the budget's monitor: the verifier calls it spared, by inheriting and by skipping
+        assert m["extensions"]["budget"] == {"inherited": sum(bool(r["inherited"]) for r in step),
+                                             "skipped": sum(r["status"] == "skipped" for r in step)}
         assert m["verifier_precision"] == (len(both) / len(verified) if verified else None)
         assert m["verifier_recall"] == (len(both) / len(judged) if judged else None)
         pooled = {"verified": pooled["verified"] + len(verified), "judged": pooled["judged"] + len(judged),
@@ -88,6 +91,8 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
         assert f" rec {recall} |" in metrics.format_step(m, 2)
     assert 0 < pooled["both"] < pooled["judged"] and pooled["both"] < pooled["verified"]  # neither score is trivial
     assert inherited > 0  # verdicts a class inherited occurred, and the scores above left them out
+    assert f"budget inherited{sum(m['extensions']['budget']['inherited'] for m in train_rows):>22}" in \
+        metrics.summary(run)
     table = metrics.summary(run)
     assert f"verifier precision{pooled['both'] / pooled['verified']:>20.3f}" in table
     assert f"verifier recall{pooled['both'] / pooled['judged']:>23.3f}" in table
