@@ -23,7 +23,7 @@ verdict memory (extensions/memory.py), Knights and Knaves' SMT tool (extensions/
 import hashlib
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Callable
 
@@ -59,9 +59,9 @@ class Verification:
     seconds: float = 0.0           # the verifier call's wall time / rollouts sent
     tool_seconds: float = 0.0      # time the program ran
     inferred: bool = False         # its class's verdict, not its own (extensions: budget, memory)
-    repaired_from: str | None = None  # extensions/programs.py: the status before repair
-    remembered: bool = False       # extensions/memory.py: an earlier step's verdict
-    programs: list | None = None   # extensions/programs.py: each program's status
+    # what an extension records of how it reached the verdict, logged with the rollout
+    # (extensions/programs.py: repaired_from, programs; extensions/memory.py: remembered)
+    details: dict = field(default_factory=dict)
 
 
 STATUSES = ("verified", "repaired", "mismatch", "no_answer", "no_code", "exec_error", "timeout",

@@ -193,7 +193,7 @@ def measure_solutions(per_level, max_new_tokens, seed, name, options, log_path):
     print_measure([(name, scores, by_level, sum(r.tokens or 0 for r in results) / len(results),
                     wall / len(results))])
     programs = [p["status"] for r, k in zip(results, kinds) if k == "correct"
-                for p in r.programs or [dict(status=r.status)]]
+                for p in r.details.get("programs") or [dict(status=r.status)]]
     raised = sum(status in ("exec_error", "timeout") for status in programs)
     print(f"accuracy {(scores['recall'] + 1 - scores['false_verify']) / 2:.1%}  recall "
           f"{scores['recall']:.1%}  false-verify {scores['false_verify']:.1%}  exec_error+timeout "
@@ -208,7 +208,8 @@ def measure_solutions(per_level, max_new_tokens, seed, name, options, log_path):
         for i, r in enumerate(results):
             f.write(json.dumps(dict(options=options, kind=kinds[i], level=levels[i],
                                     answer=answers[i], v=r.v, status=r.status, result=r.result,
-                                    repaired_from=r.repaired_from, programs=r.programs,
+                                    repaired_from=r.details.get("repaired_from"),
+                                    programs=r.details.get("programs"),
                                     tokens=r.tokens, completion=r.completion,
                                     output=r.output[-2000:])) + "\n")
 
@@ -230,7 +231,8 @@ def print_derived(results, kinds):
             ("k programs, no repair", None, first), ("k programs + repair", None, final)):
         v, failed, prompts = [], 0, 0
         for r, kind in zip(results, kinds):
-            programs = (r.programs or [dict(status=r.status, repaired_from=r.repaired_from)])
+            programs = (r.details.get("programs")
+                        or [dict(status=r.status, repaired_from=r.details.get("repaired_from"))])
             outcomes = [attempt(p) for p in programs[:count]]
             reproduced = [x for _, x in outcomes]
             v.append(max(reproduced))
@@ -466,8 +468,8 @@ def replies(questions: dict) -> int:
     """The verifier replies a step of a run took, from its rollouts.jsonl rows ({question: rows}):
     each rollout judged by its own programs, each program and repair counted."""
     return sum(programs_written(SimpleNamespace(
-        inferred=r["inherited"], code=r["program"] or "", completion=None, programs=r["programs"],
-        repaired_from=r["repaired_from"]))[0]
+        inferred=r["inherited"], code=r["program"] or "", completion=None,
+        details={k: r[k] for k in ("programs", "repaired_from") if k in r}))[0]
         for rows in questions.values() for r in rows
         if r["status"] not in (None, "no_answer", "skipped"))
 

@@ -41,7 +41,7 @@ def monitor(group, answers, verdicts) -> dict:
     rollouts that took their class's verdict, and rollouts never sent (lazily: no verdict of theirs
     could change the label)."""
     made = [res for res in verdicts if res is not None]
-    return {"inherited": sum(res.inferred and not res.remembered for res in made),
+    return {"inherited": sum(res.inferred and not res.details.get("remembered") for res in made),
             "skipped": sum(res.status == "skipped" for res in made)}
 
 

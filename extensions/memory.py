@@ -22,7 +22,7 @@ def remembering(verify, memory: "VerdictMemory", gather):
         known = list(known)
         for i, row in memory.recall(groups, answers, known) if training else []:
             known[i] = Verification(row["v"], row["status"], row["result"], inferred=True,
-                                    remembered=True)
+                                    details={"remembered": True})
         results = verify(rollouts, known)
         lessons = memory.lessons(rollouts[0].step, groups, answers, results) if training else []
         memory.learn(gather(lessons))
@@ -33,7 +33,8 @@ def remembering(verify, memory: "VerdictMemory", gather):
 def monitor(group, answers, verdicts) -> dict:
     """One question's verdicts taken from the memory (a step's metrics row sums them:
     extensions.memory), each a verifier call spared."""
-    return {"reused": sum(res is not None and res.remembered for res in verdicts)}
+    return {"reused": sum(res is not None and res.details.get("remembered", False)
+                          for res in verdicts)}
 
 
 def open_memory(run_dir, start_step: int, domain, main: bool) -> "VerdictMemory":

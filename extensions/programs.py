@@ -61,8 +61,8 @@ def programs_written(result) -> tuple[int, int]:
     inherited, remembered or skipped."""
     if result is None or result.inferred or result.code is None and result.completion is None:
         return 0, 0
-    programs = result.programs or [{"repaired_from": result.repaired_from}]
-    repairs = sum(p["repaired_from"] is not None for p in programs)
+    programs = result.details.get("programs") or [result.details]
+    repairs = sum(p.get("repaired_from") is not None for p in programs)
     return len(programs) + repairs, repairs
 
 
@@ -101,8 +101,8 @@ def repaired(first, fix):
     tokens and run time of both."""
     tokens = None if first.tokens is None or fix.tokens is None else first.tokens + fix.tokens
     return dataclasses.replace(fix, status="repaired" if fix.status == "verified" else fix.status,
-                               repaired_from=first.status, tokens=tokens,
-                               tool_seconds=first.tool_seconds + fix.tool_seconds)
+                               details={**fix.details, "repaired_from": first.status},
+                               tokens=tokens, tool_seconds=first.tool_seconds + fix.tool_seconds)
 
 
 def combine(runs):
@@ -115,5 +115,6 @@ def combine(runs):
         speaker, v=int(bool(reproduced)),
         tokens=None if None in tokens else sum(tokens),
         tool_seconds=sum(run.tool_seconds for run in runs),
-        programs=[{"status": run.status, "v": run.v, "repaired_from": run.repaired_from,
-                   "tokens": run.tokens} for run in runs] if len(runs) > 1 else None)
+        details=speaker.details if len(runs) == 1 else {**speaker.details, "programs": [
+            {"status": run.status, "v": run.v, "repaired_from": run.details.get("repaired_from"),
+             "tokens": run.tokens} for run in runs]})

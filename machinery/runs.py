@@ -358,8 +358,7 @@ def log_rollouts(step, shard, groups, answers, verdicts, judged, run_dir, accele
                          "status": res and res.status, "inherited": res and res.inferred,
                          "reward": question.rewards[i], "label": question.vote.label,
                          "kept": i in question.keep, "program": res and res.code,
-                         "repaired_from": res and res.repaired_from,
-                         "remembered": res and res.remembered, "programs": res and res.programs,
+                         **(res.details if res else {}),
                          **({} if c.tool_calls is None else {"tool_calls": [
                              {"code": t.code, "status": t.status, "output": t.output}
                              for t in c.tool_calls]})})

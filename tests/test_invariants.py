@@ -188,7 +188,7 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
     assert [r["step"] for r in rows(resumed, "evaluations.jsonl")] == [s for s in range(7) for _ in QUESTIONS]
     # the verdict memory resumes too: the third episode reuses what the first two agreed on
     assert rows(resumed, "verdicts.jsonl") == rows(straight, "verdicts.jsonl")
-    remembered = sum(r["remembered"] for r in rows(straight, "rollouts.jsonl") if r["step"] == 4)
+    remembered = sum(r.get("remembered", False) for r in rows(straight, "rollouts.jsonl") if r["step"] == 4)
     step_4 = next(r for r in rows(straight, "metrics.jsonl") if r.get("step") == 4 and r["kind"] == "train")
     assert remembered > 0 and step_4["extensions"]["memory"]["reused"] == remembered
     a, b = final_weights(straight), final_weights(resumed)

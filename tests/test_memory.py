@@ -39,14 +39,14 @@ def test_one_step_settles_no_class_and_two_that_agree_do(verify_pool):
     step(mem, ["55", "54"], [block(RAISES), block(WRONG)], verify_pool, 0)  # both fail once
     results, verifier = step(mem, ["55", "54"], [block(RIGHT), block(WRONG)], verify_pool, 1)
     assert [len(batch) for batch in verifier.batches] == [2]  # one failure settles nothing
-    assert [(r.v, r.remembered) for r in results] == [(1, False), (0, False)]
+    assert [(r.v, r.details.get("remembered", False)) for r in results] == [(1, False), (0, False)]
     # 54 failed twice in a row: kept; 55 failed, then reproduced: verified afresh
     results, verifier = step(mem, ["55", "54", "\\frac{108}{2}"], [block(RIGHT)], verify_pool, 2)
     assert [len(batch) for batch in verifier.batches] == [1]
-    assert [(r.v, r.remembered) for r in results] == [(1, False), (0, True), (0, True)]
+    assert [(r.v, r.details.get("remembered", False)) for r in results] == [(1, False), (0, True), (0, True)]
     # 55 reproduced twice in a row: kept, for every spelling of its class
     results, verifier = step(mem, ["55", "\\frac{110}{2}"], [], verify_pool, 3)
-    assert verifier.batches == [] and [(r.v, r.remembered) for r in results] == [(1, True), (1, True)]
+    assert verifier.batches == [] and [(r.v, r.details.get("remembered", False)) for r in results] == [(1, True), (1, True)]
 
 
 def test_a_kept_verdict_is_the_last_steps_and_a_disagreeing_step_unsettles_nothing_kept(verify_pool):
@@ -58,7 +58,7 @@ def test_a_kept_verdict_is_the_last_steps_and_a_disagreeing_step_unsettles_nothi
     step(mem, ["55"], [block(RIGHT)], verify_pool, 1)
     assert [row["v"] for _, row in mem.entry("q0", "55")["outcomes"]] == [1, 1]
     results, _ = step(mem, ["55"], [], verify_pool, 2)
-    assert results[0].remembered and mem.entry("q0", "55")["outcomes"][-1][0] == 1
+    assert results[0].details["remembered"] and mem.entry("q0", "55")["outcomes"][-1][0] == 1
     with pytest.raises(ValueError, match="at least 2 steps"):
         VerdictMemory(MATH, 1)
 
@@ -80,7 +80,7 @@ def test_an_evaluation_verifies_afresh_and_teaches_nothing(verify_pool):
     verifier = ScriptedVerifier(block(WRONG))
     paper = functools.partial(verify_batch, verifier=verifier, pool=verify_pool, domain=MATH)
     [result] = remembering(paper, mem, gather=lambda rows: rows)(rollouts("55"), [None])
-    assert (result.v, result.remembered, len(verifier.batches)) == (0, False, 1)
+    assert (result.v, result.details.get("remembered", False), len(verifier.batches)) == (0, False, 1)
     assert len(mem.entry("q0", "55")["outcomes"]) == 2
 
 

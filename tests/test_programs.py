@@ -25,21 +25,21 @@ def test_failed_programs_get_one_repair_call_that_shows_their_error(verify_pool)
     first, second = verifier.batches[1]
     assert "ZeroDivisionError" in first.user and "55 / 0" in first.user
     assert "(it printed nothing)" in second.user and "x = 55" in second.user
-    assert [(r.v, r.status, r.repaired_from) for r in results] == [(1, "repaired", "exec_error"),
+    assert [(r.v, r.status, r.details.get("repaired_from")) for r in results] == [(1, "repaired", "exec_error"),
                                                                   (0, "mismatch", "mismatch")]
 
 
 def test_without_repair_a_raising_program_is_an_exec_error_and_one_call(verify_pool):
     verifier = ScriptedVerifier(block(RAISES))
     result = several(rollouts("55"), verifier, verify_pool, programs=1, repair=False)[0]
-    assert (result.v, result.status, result.repaired_from) == (0, "exec_error", None)
+    assert (result.v, result.status, result.details.get("repaired_from")) == (0, "exec_error", None)
     assert len(verifier.batches) == 1
 
 
 def test_the_hardcoding_guard_judges_a_repaired_program(verify_pool):
     verifier = ScriptedVerifier(block(RAISES), block("print(55)"))
     result = several(rollouts("55"), verifier, verify_pool, programs=1, repair=True)[0]
-    assert (result.v, result.status, result.repaired_from) == (0, "hardcoded", "exec_error")
+    assert (result.v, result.status, result.details.get("repaired_from")) == (0, "hardcoded", "exec_error")
 
 
 def test_a_mismatch_that_printed_a_value_is_not_repaired(verify_pool):
@@ -64,7 +64,7 @@ def test_k_programs_per_rollout_with_their_own_seeds_and_one_reproducing_is_enou
     seeds = [p.seed for p in verifier.batches[0]]
     assert len(verifier.batches) == 1 and seeds[0] == 7 and len(set(seeds)) == 3
     assert result.v == 1 and result.status == "verified"
-    assert [p["status"] for p in result.programs] == ["verified", "mismatch", "verified"]
+    assert [p["status"] for p in result.details["programs"]] == ["verified", "mismatch", "verified"]
 
 
 def test_a_rollout_no_program_reproduced_has_the_status_of_the_one_that_got_furthest(verify_pool):
@@ -73,9 +73,9 @@ def test_a_rollout_no_program_reproduced_has_the_status_of_the_one_that_got_furt
     verifier = ScriptedVerifier(block(RAISES), block(WRONG), block(RAISES), block(RAISES),
                                 block("while True: pass"), block(RAISES))
     ran, raised = several(rollouts("55", "55"), verifier, verify_pool, programs=3, repair=False)
-    assert [p["status"] for p in ran.programs] == ["exec_error", "mismatch", "exec_error"]
+    assert [p["status"] for p in ran.details["programs"]] == ["exec_error", "mismatch", "exec_error"]
     assert (ran.v, ran.status, ran.code.strip()) == (0, "mismatch", WRONG)
-    assert [p["status"] for p in raised.programs] == ["exec_error", "timeout", "exec_error"]
+    assert [p["status"] for p in raised.details["programs"]] == ["exec_error", "timeout", "exec_error"]
     assert (raised.v, raised.status, raised.code.strip()) == (0, "exec_error", RAISES)
 
 
