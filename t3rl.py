@@ -325,18 +325,27 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
                for rec in records]
     runs.check_prompts_fit(prompts, tokenizer, accelerator.unwrap_model(learner.policy), cfg)
     learner.generate = functools.partial(sampler.generate, backend=cfg.backend)  # kv, hf
-    if cfg.backend == "kv-fast":  # the kv sampler's fast path, the verifier's weights kept its way
-        from extensions import kv_fast
-        kv_fast.serve(learner)
-    if cfg.backend == "vllm":  # an engine per model and process, the policy's asleep in the update
-        from extensions import engine
-        engine.serve(learner)
+    fast = speed_path(cfg.backend)
+    if fast:  # its generate, its hold on the verifier's weights, what it gives back for the update
+        fast.serve(learner)
     learner.verify = build_verify(learner, pool, start) if builds_verifier(cfg) else None
     if cfg.eval_cache != "none":  # the evaluation before training, kept for a later run
         from extensions import eval_cache
         learner.evaluate = eval_cache.cached(learner.evaluate, cfg, accelerator)
     runs.announce(run_dir, records, batches, accelerator, start, cfg, pool)
     return learner, start
+
+
+def speed_path(backend: str):
+    """The module of a --backend beyond sampler.py's kv and hf (None for those): its generate, its
+    hold_verifier, and serve(learner), which enters both into a run."""
+    if backend == "kv-fast":  # the kv sampler's fast path, the verifier's weights kept its way
+        from extensions import kv_fast
+        return kv_fast
+    if backend == "vllm":  # an engine per model and process, the policy's asleep in the update
+        from extensions import engine
+        return engine
+    return None
 
 
 def build_verify(learner: Learner, pool, start: int):

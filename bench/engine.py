@@ -22,7 +22,7 @@ import importlib.util
 import sampler
 import t3rl
 from bench.sampler import verifier_bench_prompts
-from extensions import engine, kv_fast
+from extensions import engine
 from machinery.model import load_model
 from sampler import Sampling
 from verifier import MATH
@@ -46,8 +46,8 @@ def role_inputs(role: str, questions: int, n: int):
 def bench_backend(backend, model, tokenizer, prompts, n, frozen, max_new_tokens) -> dict:
     """One warm-up call (start-up: the engine's start, the weights' first load), then the timed one;
     each backend's generate, as t3rl.setup enters it."""
-    generate = {"kv-fast": kv_fast.generate, "vllm": engine.generate}.get(backend) or functools.partial(
-        sampler.generate, backend=backend)
+    speed = t3rl.speed_path(backend)
+    generate = speed.generate if speed else functools.partial(sampler.generate, backend=backend)
     dtype = None if backend == "hf" else torch.bfloat16
     if backend == "vllm":  # started as a run starts it: the policy's engine sleeps, the verifier's not
         engine.start(model, tokenizer, dtype, frozen=frozen)

@@ -41,7 +41,7 @@ def monitor(group, answers, verdicts) -> dict:
     rollouts that took their class's verdict, and rollouts never sent (lazily: no verdict of theirs
     could change the label)."""
     made = [res for res in verdicts if res is not None]
-    return {"inherited": sum(res.inferred and not res.details.get("remembered") for res in made),
+    return {"inherited": sum(res.details.get("class_verdict", False) for res in made),
             "skipped": sum(res.status == "skipped" for res in made)}
 
 
@@ -80,12 +80,14 @@ def verification_rounds(groups, answers, results, domain, budget=0, omega=None):
 
 def inherit_verdicts(classes, results, budget):
     """budget K > 0: the rollouts of a class after its first K take the majority outcome of those K
-    (their lower median: a tie counts as unverified), marked inferred."""
+    (their lower median: a tie counts as unverified), marked inferred and, in their details, as a
+    class_verdict."""
     for members in classes if budget else []:
         outcomes = sorted((results[i] for i in members[:budget]), key=lambda r: r.v)
         like = outcomes[(len(outcomes) - 1) // 2]
         for i in members[budget:]:
-            results[i] = Verification(like.v, like.status, like.result, inferred=True)
+            results[i] = Verification(like.v, like.status, like.result, inferred=True,
+                                      details={"class_verdict": True})
 
 
 def undecided_classes(answers, verified, omega=5.0, same=None, key=None) -> list:

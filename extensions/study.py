@@ -41,7 +41,7 @@ import torch
 import sampler
 import t3rl
 from config import parse_config
-from extensions import agent, engine, kv_fast
+from extensions import agent
 from machinery import model
 from machinery.benchmarks import load_bench
 from machinery.metrics import group_metrics
@@ -442,7 +442,7 @@ def run_study(cfg) -> Path:
     domain = t3rl.bench_domain(cfg.bench)
     weights = (policy, tokenizer) if cfg.verifier_model == "self" else None
     # --backend's generate, and a speed path's hold on the verifier's weights (not on the policy's)
-    speed = {"kv-fast": kv_fast, "vllm": engine}.get(cfg.backend)
+    speed = t3rl.speed_path(cfg.backend)
     generate = speed.generate if speed else functools.partial(sampler.generate,
                                                               backend=cfg.backend)
     hold = speed.hold_verifier if speed and not weights else None

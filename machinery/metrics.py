@@ -142,13 +142,17 @@ def step_metrics(step, per_question, update, seconds, extensions=()) -> dict:
 
 
 def sum_counts(per_question: list[dict]) -> dict:
-    """Key-wise sums of per-question counts: numbers, or {what: count} dicts."""
+    """Key-wise sums of per-question counts: numbers, or {what: count} dicts (a count that sums to
+    0 stays)."""
     total = {}
     for counts in per_question:
         for key, value in counts.items():
-            total[key] = (dict(Counter(total.get(key, {})) + Counter(value))
-                          if isinstance(value, dict) else total.get(key, 0) + value)
-    return total
+            if isinstance(value, dict):
+                total.setdefault(key, Counter()).update(value)  # update keeps zeros; + drops them
+            else:
+                total[key] = total.get(key, 0) + value
+    return {key: dict(value) if isinstance(value, Counter) else value
+            for key, value in total.items()}
 
 
 def format_step(row: dict, total: int) -> str:

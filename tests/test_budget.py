@@ -6,7 +6,7 @@ import random
 from extensions import budget
 from extensions.budget import undecided_classes
 from helpers import PROBLEM, ROLLOUT, ScriptedVerifier, verify_batch
-from verifier import MATH
+from verifier import MATH, Verification
 from voting import weighted_vote
 
 
@@ -71,6 +71,9 @@ def test_budget_verifies_only_k_per_answer_class(verify_pool):
     results = verify_batch([PROBLEM] * 6, [ROLLOUT] * 6, answers, verifier, MATH, verify_pool, budget=2)
     assert len(verifier.batches[0]) == 4
     assert [r.inferred for r in results] == [False, False, True, False, False, True]
+    # its monitor counts its own inherited verdicts, not another extension's (the memory's)
+    remembered = Verification(1, "verified", "2", inferred=True, details={"remembered": True})
+    assert budget.monitor(None, answers, results + [remembered]) == {"inherited": 2, "skipped": 0}
 
 
 def test_budget_shares_the_majority_outcome_of_the_class(verify_pool):

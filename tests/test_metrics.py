@@ -53,10 +53,12 @@ def test_an_extensions_counts_are_summed_over_the_questions_and_shown():
                 "inherited_verified": 0, "inherited_verified_correct": 0, "no_answer": 0,
                 "response_tokens": [3, 4], "verifier_tokens": 0}
     per_question = [question | {"agent": {"tool_calls": 2, "tool_statuses": {"ok": 2}}},
-                    question | {"agent": {"tool_calls": 1, "tool_statuses": {"ok": 0, "error": 1}}}]
+                    question | {"agent": {"tool_calls": 1, "tool_statuses": {"error": 1, "timeout": 0}}}]
     row = step_metrics(0, per_question, {}, [{"sample": 1.0}], ["agent"])
-    assert row["extensions"] == {"agent": {"tool_calls": 3, "tool_statuses": {"ok": 2, "error": 1}}}
-    assert "| agent tool_calls 3 tool_statuses {'ok': 2, 'error': 1} |" in format_step(row, 1)
+    # a status no call reached keeps its 0
+    assert row["extensions"] == {"agent": {"tool_calls": 3,
+                                           "tool_statuses": {"ok": 2, "error": 1, "timeout": 0}}}
+    assert "| agent tool_calls 3 tool_statuses {'ok': 2, 'error': 1, 'timeout': 0} |" in format_step(row, 1)
     assert "agent tool_calls" in "\n".join(_training_lines([row, row]))
     assert any(line.split()[-1] == "6" for line in _training_lines([row, row])
                if line.startswith("agent tool_calls"))

@@ -81,6 +81,7 @@ def test_step_metrics_report_verifier_precision_and_recall_against_gold(tiny_dir
         inherited += sum(r["v"] and r["inherited"] for r in step)
         assert m["inherited_verified_rollouts"] == sum(r["v"] and r["inherited"] for r in step)
         # the budget's monitor: the verifier calls it spared, by inheriting and by skipping
+        assert all(r.get("class_verdict", False) == bool(r["inherited"]) for r in step)  # its own mark
         assert m["extensions"]["budget"] == {"inherited": sum(bool(r["inherited"]) for r in step),
                                              "skipped": sum(r["status"] == "skipped" for r in step)}
         assert m["verifier_precision"] == (len(both) / len(verified) if verified else None)
