@@ -2,7 +2,7 @@
 each answer class only the first K rollouts are verified, the others taking the majority outcome of
 those K (an approximation); or, lazily, only the classes whose verdicts can still change the
 weighted vote (exact: the labels and rewards of verifying every rollout), in one or two calls.
-Enters at one call: t3rl.setup wraps the verify function in `budgeted`.
+Enters at one call: t3rl.verify_function wraps the verify function in `budgeted`.
 docs/verifier.md#lazy-verification-and-the-budget.
 """
 from verifier import Verification

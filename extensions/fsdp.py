@@ -49,7 +49,7 @@ def shard_models(policy, ref_model, cfg, device):
     and its embedding and head whole: it never takes a backward, in which a sharded root would
     reshard. Under --backend vllm the copy stays in CPU memory: the engine holds the weights it
     samples with, and loads them from the copy after each update."""
-    # the config names a dtype (options.new_config fixes "auto" when the run starts)
+    # the config names a dtype (runs.settle fixes "auto" when the run starts)
     dtype = torch.float32 if cfg.backend == "hf" else getattr(torch, cfg.sample_dtype)
     home = torch.device("cpu") if cfg.backend == "vllm" else device
     full = copy.deepcopy(policy).requires_grad_(False)

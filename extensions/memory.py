@@ -2,8 +2,9 @@
 steps agreed on it (reproduced each time, or failed each time) keeps that verdict in later steps
 without a verifier call; one step's evidence never settles a class, and a class whose steps
 disagree is verified afresh. Kept in the run folder's verdicts.jsonl, so that --resume goes on
-exactly. Enters at one call: t3rl.setup wraps the verify function in `remembering`. How this changes
-the vote against verifying afresh: docs/verifier.md#several-programs-repair-and-the-verdict-memory.
+exactly. Enters at one call: t3rl.build_verify wraps the verify function in `remembering`. How
+this changes the vote against verifying afresh:
+docs/verifier.md#several-programs-repair-and-the-verdict-memory.
 """
 from machinery.runs import append_jsonl, keep_jsonl, read_jsonl_rows
 from verifier import Verification

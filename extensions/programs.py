@@ -1,7 +1,8 @@
 """Beyond the paper's one program per rollout (--verifier-programs K, --verifier-repair): K programs
 per rollout, each with its own seed, in the same verifier call, v_i = 1 when one reproduces a_i;
 a program that raised, ran too long or printed nothing gets one more turn that shows it its error.
-Enters at one call: t3rl.setup verifies with `several` in place of verifier.verify_batch.
+Enters at one call: t3rl.verify_function verifies with `several` in place of
+verifier.verify_batch.
 
 On 100 human-written MATH solutions 3 programs with repair verify at 90.5 % accuracy against 80.5 %
 for one program, at 3.2x its time (docs/verifier.md).

@@ -113,7 +113,7 @@ def step_metrics(step, per_question, update, seconds, extensions=()) -> dict:
     row["status"] = {s: statuses.count(s) for s in sorted(set(statuses))}
     # the verifier against the hidden gold answers (reporting only), over the rollouts it judged:
     # precision = right share of the verified, recall = verified share of the right; None where it
-    # judged none (--no-verify); the verdicts inherited under --verify-budget apart
+    # judged none (no verifier, or none asked); verdicts a class passed on (budget, memory) apart
     total = lambda key: sum(q[key] for q in per_question)  # noqa: E731
     row["correct_rollouts"] = total("correct")
     row["verified_rollouts"], row["verified_correct"] = (total("judged_verified"),
@@ -126,8 +126,8 @@ def step_metrics(step, per_question, update, seconds, extensions=()) -> dict:
     row["verifier_recall"] = (row["verified_correct"] / row["correct_judged_rollouts"]
                               if row["correct_judged_rollouts"] else None)
     lengths = [n for q in per_question for n in q["response_tokens"]]
-    # rollouts that state no answer: no vote, reward 0 (the implicit format reward of
-    # --answer-rule strict)
+    # rollouts that state no answer: no vote, reward 0 (TTRL's answer rule: an implicit format
+    # reward)
     row["no_answer_ratio"] = sum(q["no_answer"] for q in per_question) / max(len(lengths), 1)
     row["response_length"] = mean(lengths)
     row["policy_tokens"] = sum(lengths)
