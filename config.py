@@ -222,9 +222,10 @@ def new_config(given: dict, gpu: bool) -> Config:
     if preset in ("paper", "ttrl"):
         values.update(episodes=PAPER_EPISODES.get(bench, cfg.episodes),
                       questions_per_step=TTRL_QUESTIONS_PER_STEP.get(bench, cfg.questions_per_step))
-    if preset == "paper":  # the engine where it is installed, else the kv sampler's fast path
-        values.update(backend="vllm" if importlib.util.find_spec("vllm") else "kv-fast",
-                      eval_samples=16 if bench == "aime2024" else cfg.eval_samples)
+    if preset in ("paper", "ttrl"):  # both rows sample alike: vLLM where installed, else kv-fast
+        values["backend"] = "vllm" if importlib.util.find_spec("vllm") else "kv-fast"
+    if preset == "paper":
+        values["eval_samples"] = 16 if bench == "aime2024" else cfg.eval_samples
     if fsdp_launched():
         values["parallel"] = "fsdp"  # accelerate launch with an FSDP config
     for key, value in {**values, **given, "preset": preset}.items():

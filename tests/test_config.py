@@ -145,6 +145,9 @@ def test_ttrl_preset_is_ttrls_scripts():
     assert [(c.questions_per_step, c.episodes) for c in (parse_config(["--preset", "ttrl", "--bench", b])
                                                          for b in ("math500", "amc"))] == [(32, 10), (8, 30)]
     assert parse_config(["--preset", "ttrl", "--temperature", "0.6"]).temperature == 0.6  # options win
+    # the two rows a user compares sample on the same backend: vLLM where it is installed, else kv-fast
+    assert cfg.backend == parse_config(["--preset", "paper"]).backend
+    assert cfg.backend == ("vllm" if importlib.util.find_spec("vllm") else "kv-fast")
 
 
 def test_every_option_is_read_by_the_run():
