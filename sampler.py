@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from transformers import GenerationConfig, StoppingCriteriaList
 
 KV_MODEL_TYPES = ("llama", "qwen2")
 
@@ -142,7 +143,6 @@ def unsupported_reason(model) -> str | None:
 def generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed: int, eos, stopping=()):
     """transformers generate on the left-padded prompts, seeded with `seed`. stopping: its
     StoppingCriteria (the agent's tool calls)."""
-    from transformers import GenerationConfig, StoppingCriteriaList
     device = next(model.parameters()).device
     pad = eos[0] if eos else (tokenizer.pad_token_id if tokenizer is not None else 0)
     width = max(map(len, prompt_ids))

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from typing import Callable
 
+import sampler
 from answers import answer_key, computed_float_equiv, extract_answer, is_equiv, same_answer
 from machinery.guard import hardcoded
 
@@ -161,7 +162,6 @@ def model_verifier(model, tokenizer, max_new_tokens: int, seed=None, generate=No
     temperature and top-p. With a seed, each prompt samples with a seed of (seed, its own, its
     text): a program depends on what it verifies, not on the call it comes in, so a resumed run
     writes the programs an uninterrupted one would."""
-    import sampler  # torch, once a model verifier is built
     generate = generate or sampler.generate
 
     def verify_prompts(prompts):

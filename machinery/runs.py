@@ -27,10 +27,11 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import (DistributedDataParallelKwargs, InitProcessGroupKwargs,
+from accelerate.tracking import get_available_trackers
+from accelerate.utils import (DistributedDataParallelKwargs, InitProcessGroupKwargs, LoggerType,
                                broadcast_object_list, gather_object)
 
-from config import BEYOND_PAPER, Config, flag
+from config import BEYOND_PAPER, Config, OptionError, flag
 from grpo import bf16_supported
 from verifier import TEMPERATURE, TOP_P
 
@@ -300,10 +301,6 @@ def settle(cfg: Config, gpu: bool):
     """What the run fixes before it starts: the sampling dtype where it says auto (bfloat16 where
     the device runs it natively: a resume on another machine samples alike), and the trackers,
     which must be installed. OptionError otherwise."""
-    from accelerate.tracking import get_available_trackers
-    from accelerate.utils import LoggerType
-
-    from config import OptionError
     if cfg.sample_dtype == "auto":
         native = bf16_supported(torch.device("cuda" if gpu else "cpu"))
         cfg.sample_dtype = "bfloat16" if native else "float32"
