@@ -337,11 +337,13 @@ def make_accelerator(cfg: Config, gpu: bool) -> Accelerator:
 
 
 def metrics_logger(run_dir, accelerator):
-    """log(row): the main process appends the row to metrics.jsonl and hands it to the trackers."""
+    """log(row): the main process appends the row to metrics.jsonl and hands it to the trackers
+    (--report-to), if any."""
     def log(row):
         if accelerator.is_main_process:
             append_jsonl(run_dir / "metrics.jsonl", [row])
-            accelerator.log(tracker_row(row), step=row["step"] + (row["kind"] == "train"))
+            if accelerator.trackers:
+                accelerator.log(tracker_row(row), step=row["step"] + (row["kind"] == "train"))
     return log
 
 

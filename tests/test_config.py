@@ -175,7 +175,7 @@ def test_help_lists_every_option_with_its_default_and_at_most_40():
 def test_report_to_names_unknown_and_missing_trackers(monkeypatch):
     with pytest.raises(config.OptionError, match="--report-to tensorbored: choose from"):
         runs.settle(parse_config(["--report-to", "tensorbored"]), gpu=False)
-    monkeypatch.setattr("accelerate.tracking.get_available_trackers", lambda: [])
+    monkeypatch.setattr(runs, "get_available_trackers", lambda: [])  # none installed
     with pytest.raises(config.OptionError, match="--report-to tensorboard: the tensorboard package is not installed; "
                                                "pip install tensorboard"):
         runs.settle(parse_config(["--report-to", "tensorboard,wandb"]), gpu=False)
