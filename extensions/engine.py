@@ -84,7 +84,8 @@ def serve(learner):
     each update, and the verifier's when it is built (its model's own copy stays in CPU memory);
     both shut down when the run ends."""
     cfg, accelerator = learner.cfg, learner.accelerator
-    check_gpu_memory(learner.policy, builds_verifier(cfg), cfg.parallel, accelerator)
+    check_gpu_memory(learner.policy, builds_verifier(cfg), cfg.parallel, accelerator,
+                     learner.ref_model)
     start(accelerator.unwrap_model(learner.policy), learner.tokenizer,
           getattr(torch, cfg.sample_dtype), sleeps=True)
     learner.generate, learner.hold_verifier = generate, hold_verifier
@@ -161,13 +162,16 @@ def check_memory(total: int, trainer: int, engines: list) -> tuple:
     return f"{line}: does not fit; pass --backend kv-fast (it fits itself into what is left)", False
 
 
-def check_gpu_memory(policy, verifies: bool, parallel: str, accelerator):
+def check_gpu_memory(policy, verifies: bool, parallel: str, accelerator, ref_model=None):
     """On a GPU, both engines' shares and the trainer's against its memory before anything starts:
     a line saying them, or EngineUnavailable naming what to do."""
     if not torch.cuda.is_available():
         return
-    # float32 weights, gradients and AdamW's two moments: 16 bytes (sharded under FSDP)
+    # float32 weights, gradients and AdamW's two moments: 16 bytes (sharded under FSDP), and the
+    # frozen reference model's weights (--kl-coef: --preset ttrl's)
     trainer = 16 * sum(p.numel() for p in policy.parameters())
+    if ref_model is not None:
+        trainer += sum(p.numel() * p.element_size() for p in ref_model.parameters())
     trainer //= accelerator.num_processes if parallel == "fsdp" else 1
     total = torch.cuda.get_device_properties(accelerator.device).total_memory
     line, fits = check_memory(total, trainer, ["policy"] + ["verifier"] * verifies)

@@ -177,6 +177,16 @@ def test_the_engines_shares_are_checked_against_the_gpus_memory_before_anything_
     with pytest.raises(config.OptionError, match="^GPU memory 40.0 GiB: .* does not fit; pass"):
         engine.check_gpu_memory(policy, True, "ddp", accelerator)
 
+    # --kl-coef (--preset ttrl) holds a float32 reference model beside the trainer: 5.8 GiB more
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=70 * GIB))
+    lines = []
+    accelerator.print = lines.append
+    engine.check_gpu_memory(policy, True, "ddp", accelerator)
+    assert lines[-1].endswith("trainer 23.0 GiB, 5.0 GiB left")
+    with pytest.raises(config.OptionError, match="trainer 28.8 GiB, -0.8 GiB left: does not fit"):
+        engine.check_gpu_memory(policy, True, "ddp", accelerator, ref_model=policy)
+
 
 def test_a_study_under_a_launcher_is_refused_in_one_line(tiny_dir, tmp_path, monkeypatch):
     """Every process of accelerate launch would sample the whole study on GPU 0 into one folder."""
