@@ -219,11 +219,10 @@ def new_config(given: dict, gpu: bool) -> Config:
         preset = "paper" if gpu else "cpu"
     bench = given.get("bench", PRESETS[preset].get("bench", cfg.bench))
     values = dict(PRESETS[preset])
-    if preset in ("paper", "ttrl"):
-        values.update(episodes=PAPER_EPISODES.get(bench, cfg.episodes),
-                      questions_per_step=TTRL_QUESTIONS_PER_STEP.get(bench, cfg.questions_per_step))
     if preset in ("paper", "ttrl"):  # both rows sample alike: vLLM where installed, else kv-fast
-        values["backend"] = "vllm" if importlib.util.find_spec("vllm") else "kv-fast"
+        values.update(episodes=PAPER_EPISODES.get(bench, cfg.episodes),
+                      questions_per_step=TTRL_QUESTIONS_PER_STEP.get(bench, cfg.questions_per_step),
+                      backend="vllm" if importlib.util.find_spec("vllm") else "kv-fast")
     if preset == "paper":
         values["eval_samples"] = 16 if bench == "aime2024" else cfg.eval_samples
     if fsdp_launched():

@@ -61,7 +61,8 @@ class Verification:
     tool_seconds: float = 0.0      # time the program ran
     inferred: bool = False         # its class's verdict, not its own (extensions: budget, memory)
     # what an extension records of how it reached the verdict, logged with the rollout
-    # (extensions/programs.py: repaired_from, programs; extensions/memory.py: remembered)
+    # (extensions/programs.py: repaired_from, programs; memory.py: remembered; budget.py:
+    # class_verdict)
     details: dict = field(default_factory=dict)
 
 
