@@ -324,9 +324,8 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     prompts = [(rec["id"], policy_prompt(tokenizer, rec["problem"], domain.instruction))
                for rec in records]
     runs.check_prompts_fit(prompts, tokenizer, accelerator.unwrap_model(learner.policy), cfg)
-    learner.generate = functools.partial(sampler.generate, backend=cfg.backend)  # kv, hf
-    fast = speed_path(cfg.backend)
-    if fast:  # its generate, its hold on the verifier's weights, what it gives back for the update
+    learner.generate, fast = speed_path(cfg.backend)
+    if fast:  # its hold on the verifier's weights, what it gives back for the update
         fast.serve(learner)
     learner.verify = build_verify(learner, pool, start) if builds_verifier(cfg) else None
     if cfg.eval_cache != "none":  # the evaluation before training, kept for a later run
@@ -336,16 +335,17 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     return learner, start
 
 
-def speed_path(backend: str):
-    """The module of a --backend beyond sampler.py's kv and hf (None for those): its generate, its
-    hold_verifier, and serve(learner), which enters both into a run."""
+def speed_path(backend: str) -> tuple:
+    """A --backend's (generate, module): sampler.py's generate for kv and hf (module None); for a
+    speed path its module's generate, the module holding its hold_verifier and serve(learner),
+    which enters both into a run."""
     if backend == "kv-fast":  # the kv sampler's fast path, the verifier's weights kept its way
         from extensions import kv_fast
-        return kv_fast
+        return kv_fast.generate, kv_fast
     if backend == "vllm":  # an engine per model and process, the policy's asleep in the update
         from extensions import engine
-        return engine
-    return None
+        return engine.generate, engine
+    return functools.partial(sampler.generate, backend=backend), None
 
 
 def build_verify(learner: Learner, pool, start: int):

@@ -10,7 +10,6 @@ call's seconds, seconds per prompt and generated tokens per second.
     python -m bench.engine [--backends hf kv kv-fast vllm] [--roles policy verifier] [--max-new-tokens 256]
 """
 import argparse
-import functools
 import json
 import os
 import time
@@ -19,7 +18,6 @@ import torch
 
 import importlib.util
 
-import sampler
 import t3rl
 from bench.sampler import verifier_bench_prompts
 from extensions import engine
@@ -46,8 +44,7 @@ def role_inputs(role: str, questions: int, n: int):
 def bench_backend(backend, model, tokenizer, prompts, n, frozen, max_new_tokens) -> dict:
     """One warm-up call (start-up: the engine's start, the weights' first load), then the timed one;
     each backend's generate, as t3rl.setup enters it."""
-    speed = t3rl.speed_path(backend)
-    generate = speed.generate if speed else functools.partial(sampler.generate, backend=backend)
+    generate = t3rl.speed_path(backend)[0]
     dtype = None if backend == "hf" else torch.bfloat16
     if backend == "vllm":  # started as a run starts it: the policy's engine sleeps, the verifier's not
         engine.start(model, tokenizer, dtype, frozen=frozen)

@@ -23,7 +23,6 @@ The design in full (the intervals, the token costs, --agent, growing a study):
 docs/usage.md#the-evidence-study.
 """
 import argparse
-import functools
 import itertools
 import json
 import math
@@ -38,7 +37,6 @@ import numpy as np
 
 import torch
 
-import sampler
 import t3rl
 from config import parse_config
 from extensions import agent
@@ -442,9 +440,7 @@ def run_study(cfg) -> Path:
     domain = t3rl.bench_domain(cfg.bench)
     weights = (policy, tokenizer) if cfg.verifier_model == "self" else None
     # --backend's generate, and a speed path's hold on the verifier's weights (not on the policy's)
-    speed = t3rl.speed_path(cfg.backend)
-    generate = speed.generate if speed else functools.partial(sampler.generate,
-                                                              backend=cfg.backend)
+    generate, speed = t3rl.speed_path(cfg.backend)
     hold = speed.hold_verifier if speed and not weights else None
     verify_call = t3rl.build_verifier(cfg, device, generate=generate, hold=hold, loaded=weights)
     sampling = Sampling(cfg.max_new_tokens, cfg.temperature, cfg.top_p, getattr(torch,

@@ -15,7 +15,7 @@ import sampler
 import t3rl
 import verifier
 from config import parse_config
-from extensions import budget
+from extensions import budget, kv_fast
 from helpers import QUESTIONS, ScriptedVerifier, final_weights, make_tiny_model, rows, tiny_argv, write_bench
 from machinery import metrics
 from machinery import model as models
@@ -297,3 +297,16 @@ def test_the_verifier_loads_only_when_the_run_trains_or_samples_answers_to_verif
     assert config.builds_verifier(cfg) is loaded
     t3rl.train(cfg)
     assert len(calls) == int(loaded)
+
+
+def test_each_backend_samples_with_its_own_generate(monkeypatch):
+    """speed_path is the one backend table that setup, the study and bench/engine.py read: kv and hf sample
+    through sampler.generate with that backend, kv-fast through its own module, which setup then serves."""
+    used = []
+    monkeypatch.setattr(sampler, "generate", lambda *args, backend: used.append(backend))
+    for backend in ("kv", "hf"):
+        generate, module = t3rl.speed_path(backend)
+        generate("model", "tokenizer")
+        assert module is None
+    assert used == ["kv", "hf"]
+    assert t3rl.speed_path("kv-fast") == (kv_fast.generate, kv_fast)
