@@ -388,9 +388,10 @@ def build_verifier(cfg: Config, device, generate=sampler.generate, hold=None, lo
     checkpoint), kept in the sampling dtype. hold: a speed path's (model, tokenizer, dtype, device)
     -> None, which keeps the weights its own way (kv-fast's layout, vLLM's engine). loaded: its
     (model, tokenizer) when already in memory (the study)."""
-    spec = cfg.model if cfg.verifier_model == "self" else cfg.verifier_model
+    spec, option = ((cfg.model, "--model") if cfg.verifier_model == "self"
+                    else (cfg.verifier_model, "--verifier-model"))
     dtype = getattr(torch, cfg.sample_dtype)
-    vmodel, vtok = loaded or models.load_model(spec, dtype=dtype)
+    vmodel, vtok = loaded or models.load_model(spec, dtype, option)
     vmodel.requires_grad_(False)
     if hold:
         hold(vmodel, vtok, dtype, device)
@@ -432,9 +433,10 @@ def main(argv=None):
     try:
         gpu = torch.cuda.is_available()
         cfg = parse_config(argv, gpu)
-        models.check_spec(cfg.model, "--model")
-        if cfg.verifier_model not in ("none", "self"):
-            models.check_spec(cfg.verifier_model, "--verifier-model")
+        for spec, option in ((cfg.model, "--model"), (cfg.verifier_model, "--verifier-model")):
+            if spec not in ("none", "self"):  # each loads, or ends here before a run folder exists
+                models.check_spec(spec, option)
+                models.check_hub(spec, option)
         train(cfg, gpu)
     except stops as err:
         raise SystemExit(f"error: {err}") from None

@@ -271,9 +271,9 @@ def _unreachable(spec: str, option: str) -> str:
             f"model ({OFFLINE_NAMES})")
 
 
-def _resolve(spec: str) -> Path | str:
+def _resolve(spec: str, option: str = "--model") -> Path | str:
     """Map a --model value to a folder (converted if needed) or a Hub id."""
-    check_spec(spec)
+    check_spec(spec, option)
     if offline_model(spec):
         return offline_model_dir(spec)
     path = Path(spec).expanduser()
@@ -337,26 +337,26 @@ def _tokenizer(source: Path):
     return _TOKENIZERS[key]
 
 
-def load_model(spec: str = "embedded", dtype=None):
+def load_model(spec: str = "embedded", dtype=None, option: str = "--model"):
     """(model, tokenizer) for a Hub id, a local folder, a .gguf path or an offline model name. dtype
     defaults to the offline model's cache dtype (bfloat16 for coder-1.5b), float32 for everything
-    else.
+    else. Errors name `option`, the option that gave spec.
 
     A Hub id comes through huggingface_hub (hub_snapshot): from its cache when there, downloaded
     otherwise. The model is returned in eval mode on the CPU; callers move it (accelerate does) and
     switch modes.
     """
-    source = _resolve(spec)
+    source = _resolve(spec, option)
     if dtype is None and offline_model(spec):
         dtype = offline_model(spec).dtype
     if not isinstance(source, Path):
-        print(f"[t3rl] --model {spec}: from the Hugging Face cache, or downloaded through "
+        print(f"[t3rl] {option} {spec}: from the Hugging Face cache, or downloaded through "
               f"huggingface_hub", file=sys.stderr)
-        source = hub_snapshot(spec)
+        source = hub_snapshot(spec, option)
     try:
         model, tokenizer = _from_pretrained(source, dtype)
     except OSError as err:
-        raise ModelLoadError(f"--model {spec}: cannot read the checkpoint in {source} ({err}); "
+        raise ModelLoadError(f"{option} {spec}: cannot read the checkpoint in {source} ({err}); "
                              f"delete that folder and load again to rebuild it") from err
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token

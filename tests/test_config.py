@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from huggingface_hub.errors import LocalEntryNotFoundError
 
 import config
 import grpo
@@ -309,6 +310,24 @@ def test_bad_input_is_answered_in_one_line_naming_it(name, make_argv, line, fini
     assert not loaded
     if before is not None:
         assert snapshot(ctx["run"]) == before  # nothing of the run was touched
+
+
+def test_a_hub_model_that_cannot_be_had_ends_the_run_before_its_folder_or_a_model(tiny_dir, tmp_path, monkeypatch):
+    """The Hub is asked for each Hub id's config.json first: an uncached verifier on an unreachable Hub is one
+    line naming --verifier-model before the policy loads or a run folder exists."""
+    asked = []
+
+    def unreachable(repo_id, allow_patterns=None):
+        asked.append((repo_id, allow_patterns))
+        raise LocalEntryNotFoundError("offline")
+    monkeypatch.setattr(models, "snapshot_download", unreachable)
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as stop:
+        t3rl.main(tiny_argv(tiny_dir, tmp_path / "out", verifier_model="t3rl-test/uncached"))
+    message = str(stop.value.code)
+    assert message.startswith("error: --verifier-model t3rl-test/uncached: not in the local Hugging Face cache")
+    assert "\n" not in message and asked == [("t3rl-test/uncached", ["config.json"])]
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_table_covers_thirty_bad_inputs_and_every_option_has_a_range():
