@@ -433,10 +433,12 @@ def main(argv=None):
     try:
         gpu = torch.cuda.is_available()
         cfg = parse_config(argv, gpu)
-        for spec, option in ((cfg.model, "--model"), (cfg.verifier_model, "--verifier-model")):
-            if spec not in ("none", "self"):  # each loads, or ends here before a run folder exists
-                models.check_spec(spec, option)
-                models.check_hub(spec, option)
+        specs = [(cfg.model, "--model")]
+        if builds_verifier(cfg) and cfg.verifier_model != "self":
+            specs.append((cfg.verifier_model, "--verifier-model"))
+        for spec, option in specs:  # each loads, or the run ends here before its folder exists
+            models.check_spec(spec, option)
+            models.check_hub(spec, option)
         train(cfg, gpu)
     except stops as err:
         raise SystemExit(f"error: {err}") from None

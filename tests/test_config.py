@@ -328,6 +328,11 @@ def test_a_hub_model_that_cannot_be_had_ends_the_run_before_its_folder_or_a_mode
     assert message.startswith("error: --verifier-model t3rl-test/uncached: not in the local Hugging Face cache")
     assert "\n" not in message and asked == [("t3rl-test/uncached", ["config.json"])]
     assert not (tmp_path / "out").exists()
+    # a run that loads no verifier (no training, greedy@1 only) does not need it
+    monkeypatch.setattr(t3rl, "train", lambda cfg, gpu: asked.append("trained"))
+    t3rl.main(tiny_argv(tiny_dir, tmp_path / "out", verifier_model="t3rl-test/uncached", episodes=0,
+                        eval_samples=0))
+    assert asked[1:] == ["trained"]
 
 
 def test_the_table_covers_thirty_bad_inputs_and_every_option_has_a_range():
