@@ -55,12 +55,13 @@ def test_cpu_preset_is_picked_without_gpu_and_explicit_options_win():
     assert parse_config([], gpu=True).preset == "paper"
 
 
-@pytest.mark.parametrize("argv,loaded", [([], ["coder-1.5b"]), (["--verifier-model", "self"], ["embedded"])])
+@pytest.mark.parametrize("argv,loaded", [([], [("coder-1.5b", "--verifier-model")]),
+                                         (["--verifier-model", "self"], [("embedded", "--model")])])
 def test_cpu_preset_verifies_with_the_1_5b_and_self_verification_loads_the_policy(monkeypatch, argv, loaded):
     seen = []
 
-    def load_model(spec, dtype=None):
-        seen.append(spec)
+    def load_model(spec, dtype=None, option="--model"):
+        seen.append((spec, option))
         return torch.nn.Linear(2, 2), None
     monkeypatch.setattr(models, "load_model", load_model)
     monkeypatch.setattr(verifier, "model_verifier", lambda model, tok, max_new_tokens, seed, generate: (
