@@ -425,6 +425,17 @@ def question_batches(records: list[dict], cfg: Config) -> list:
     return batches[:cfg.max_steps] if cfg.max_steps else batches
 
 
+def check_models(cfg: Config):
+    """Each model the run loads can be had (a folder, a .gguf file, a Hub id its cache or the Hub
+    gives), checked before a run folder exists; ModelLoadError names the option."""
+    specs = [(cfg.model, "--model")]
+    if builds_verifier(cfg) and cfg.verifier_model != "self":
+        specs.append((cfg.verifier_model, "--verifier-model"))
+    for spec, option in specs:
+        models.check_spec(spec, option)
+        models.check_hub(spec, option)
+
+
 def main(argv=None):
     """Parse, check, train. A user's mistake, a damaged file, Ctrl-C or SIGTERM ends in one
     line."""
@@ -433,12 +444,7 @@ def main(argv=None):
     try:
         gpu = torch.cuda.is_available()
         cfg = parse_config(argv, gpu)
-        specs = [(cfg.model, "--model")]
-        if builds_verifier(cfg) and cfg.verifier_model != "self":
-            specs.append((cfg.verifier_model, "--verifier-model"))
-        for spec, option in specs:  # each loads, or the run ends here before its folder exists
-            models.check_spec(spec, option)
-            models.check_hub(spec, option)
+        check_models(cfg)
         train(cfg, gpu)
     except stops as err:
         raise SystemExit(f"error: {err}") from None

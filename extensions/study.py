@@ -43,7 +43,7 @@ from extensions import agent
 from machinery import model
 from machinery.benchmarks import load_bench
 from machinery.metrics import group_metrics
-from machinery.runs import (RunDirError, append_jsonl, drop_torn_tail, read_jsonl_rows,
+from machinery.runs import (RunDirError, append_jsonl, drop_torn_tail, read_jsonl_rows, settle,
                             write_jsonl)
 from sampler import Sampling
 from sandbox import SandboxPool
@@ -566,8 +566,12 @@ def main(argv: list):
                                    "split over processes): start it with python -m "
                                    "extensions.study, not accelerate launch or torchrun")
         else:
-            run_study(study_config(argv, torch.cuda.is_available()))
-    except (RunDirError, t3rl.OptionError, t3rl.runs.DataError) as err:
+            gpu = torch.cuda.is_available()
+            cfg = study_config(argv, gpu)
+            settle(cfg, gpu)  # the sampling dtype, fixed in its config.json as a run's
+            t3rl.check_models(cfg)  # before its folder exists
+            run_study(cfg)
+    except (RunDirError, t3rl.OptionError, t3rl.runs.DataError, model.ModelLoadError) as err:
         raise SystemExit(f"error: {err}") from None
 
 

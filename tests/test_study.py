@@ -4,8 +4,10 @@ import math
 import random
 
 import pytest
+import torch
 
 import config
+import grpo
 import t3rl
 from config import parse_config
 from extensions import budget, study
@@ -174,6 +176,24 @@ def test_study_replay_reproduces_the_table_without_a_model(tiny_dir, tmp_path, m
     study.main(["--replay", str(run)])
     assert capsys.readouterr().out == printed == table
     assert (run / "study.png").stat().st_size > 1000
+
+
+def test_a_study_from_the_command_line_samples_in_the_dtype_auto_picks(tiny_dir, tmp_path, monkeypatch, patched):
+    """python -m extensions.study without --sample-dtype: auto is fixed as a run fixes it (bfloat16 where the
+    CPU runs it, else float32) and written to the study's config.json, and the study runs to its table."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    study.main(study_argv(tiny_dir, tmp_path / "out", sample_dtype="auto", limit=2))
+    saved = json.loads((tmp_path / "out" / "run" / "config.json").read_text())
+    assert saved["sample_dtype"] == ("bfloat16" if grpo.bf16_supported(torch.device("cpu")) else "float32")
+    assert len(rows(tmp_path / "out" / "run", "study.jsonl")) == 2
+
+
+def test_a_study_of_a_model_that_cannot_load_ends_in_one_line_before_its_folder(tmp_path):
+    with pytest.raises(SystemExit) as stop:
+        study.main(["--model", str(tmp_path / "no-such-folder"), "--out-dir", str(tmp_path / "out")])
+    assert str(stop.value.code).startswith("error: --model ") and "not a folder" in str(stop.value.code)
+    assert not (tmp_path / "out").exists()
 
 
 def test_killed_study_resumes_at_the_next_unfinished_question(tiny_dir, tmp_path, monkeypatch, patched):
