@@ -39,6 +39,7 @@ from verifier import TEMPERATURE, TOP_P
 # a barrier while the main process writes a checkpoint, 18.5 GB for the paper's 1.5B policy and its
 # AdamW state, longer than that on slow storage. A hung collective shows after this long.
 PROCESS_GROUP_TIMEOUT = timedelta(hours=1)
+DISK_FULL_BYTES = 64 << 20  # a write that failed with less free than this failed for the space
 
 
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -109,18 +110,29 @@ def save_checkpoint(run_dir: Path, step: int, trained, tokenizer, optimizer, sch
     step. Written as checkpoint.tmp/, then swapped in; the one it replaces stays as checkpoint.old/,
     the fallback if the new one is ever found damaged. The other processes wait for it under
     PROCESS_GROUP_TIMEOUT. full_state: (trained, optimizer) -> (weights, optimizer state) in full,
-    every process taking part (FSDP's shards); None: the module's and optimizer's own."""
+    every process taking part (FSDP's shards); None: the module's and optimizer's own. A write the
+    disk has no room for (or the OS refuses) ends the run in one line, the last checkpoint kept."""
     weights, optimizer_state = full_state(trained, optimizer) if full_state else (None, None)
     if accelerator.is_main_process:
         tmp, final, old = (run_dir / "checkpoint.tmp", run_dir / "checkpoint",
                            run_dir / "checkpoint.old")
         shutil.rmtree(tmp, ignore_errors=True)
-        accelerator.unwrap_model(trained).save_pretrained(tmp / "model", state_dict=weights)
-        tokenizer.save_pretrained(tmp / "model")
-        torch.save({"step": step, "optimizer": optimizer_state or optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(),
-                    "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}},
-                   tmp / "state.pt")
+        try:
+            accelerator.unwrap_model(trained).save_pretrained(tmp / "model", state_dict=weights)
+            tokenizer.save_pretrained(tmp / "model")
+            torch.save({"step": step, "optimizer": optimizer_state or optimizer.state_dict(),
+                        "scheduler": scheduler.state_dict(),
+                        "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}},
+                       tmp / "state.pt")
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
+            full = shutil.disk_usage(run_dir).free < DISK_FULL_BYTES
+            shutil.rmtree(tmp, ignore_errors=True)  # the space it took
+            if not (full or isinstance(err, OSError)):
+                raise
+            raise RunDirError(f"{run_dir}: cannot write the checkpoint of step {step} "
+                              f"({'the disk is full' if full else err.strerror or err}); free "
+                              f"space there and continue with: python t3rl.py --resume "
+                              f"{run_dir}") from None
         if final.exists():
             if old.exists():
                 shutil.rmtree(old)

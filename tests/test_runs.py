@@ -2,6 +2,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,31 @@ def test_resume_drops_torn_last_lines_and_a_stale_checkpoint_old(finished_run, t
     assert_same_run(run, finished_run)
     assert not (run / "checkpoint.tmp").exists()
     assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
+
+
+def test_a_full_disk_at_a_checkpoint_ends_the_run_in_one_line_and_it_resumes(finished_run, tmp_path, monkeypatch,
+                                                                             patched):
+    """torch.save on a full disk raises RuntimeError mid-file: the run ends in one line naming the run and the
+    resume, the half-written checkpoint.tmp is removed (its space back), and the last checkpoint stays whole."""
+    run = copy_run(finished_run, tmp_path / "out" / "run", upto=2)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(finished_run.parent.parent / "data"))
+    save = torch.save
+
+    def full_disk(obj, path):
+        save(obj, path)  # the file exists, as a write cut off by the disk leaves it
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3951805312 vs 3951805204")
+    with monkeypatch.context() as disk:
+        disk.setattr(torch, "save", full_disk)
+        disk.setattr(runs.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 << 30, 100 << 30, 0))
+        with pytest.raises(SystemExit) as stop:
+            t3rl.main(["--resume", str(run)])
+    message = str(stop.value.code)
+    assert message == (f"error: {run}: cannot write the checkpoint of step 4 (the disk is full); free space there "
+                       f"and continue with: python t3rl.py --resume {run}")
+    assert not (run / "checkpoint.tmp").exists() and runs.checkpoint_damage(run / "checkpoint") is None
+    assert torch.load(run / "checkpoint" / "state.pt", weights_only=False)["step"] == 2
+    resume(run, finished_run, monkeypatch)
+    assert_same_run(run, finished_run)
 
 
 def test_deleted_metrics_do_not_make_the_final_eval_the_before(finished_run, tmp_path, monkeypatch, patched, capsys):
