@@ -117,10 +117,11 @@ class ToolRows:
                     codes.append(code), segments.append(segment), rows.append(row)
         return list(zip(rows, self.tools.run(codes, segments))) if codes else []
 
-    def append(self, run, cache, batch, row: int, call, logits, limit: int, *, step: int, ends):
+    def append(self, run, cache, batch, row: int, call, logits, *, step: int, ends):
         """Wave row `row`'s tool output into its cache row from its next column on, cut to fit the
-        cache (limit: its width); the row's logits become those after the output. A row the output
-        fills finishes."""
+        cache's columns; the row's logits become those after the output. A row the output fills
+        finishes."""
+        limit = cache.k.shape[3]  # the wave's prompt width + max_new_tokens
         b = batch.rows.tolist().index(row)
         column, first = int(batch.columns[b]), int(batch.start[b])
         ids = call.token_ids[:limit - column]

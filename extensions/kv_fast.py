@@ -304,7 +304,7 @@ def decode_wave(run, prompts, sampling: Sampling, uniforms, progress=None, tool_
         logits[:len(batch.rows)] = decode_step(run, cache, batch, tokens, width + j)
         batch.columns = (batch.columns + 1).clamp(max=last_column)  # a finished row's are not read
         for row, call in made:
-            calls.append(run, cache, batch, row, call, logits, width + steps, step=j, ends=ends)
+            calls.append(run, cache, batch, row, call, logits, step=j, ends=ends)
     bar.close()
     out, logprobs = out.tolist(), logprobs.tolist() if uniforms is not None else [None] * n_rows
     rows = [Completion(prompts[r], out[r][:ends[r]], None, reasons[r], logprobs[r])
