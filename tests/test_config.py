@@ -256,6 +256,8 @@ BAD_INPUTS = [
     ("out-dir is a file", lambda c: (c["tmp"] / "f").write_text("x") and argv_for(c, out_dir=c["tmp"] / "f"),
      r"--out-dir .*/f: cannot write the run folder .*; pass a writable --out-dir"),
     ("out-dir under /proc", lambda c: argv_for(c, out_dir="/proc/t3rl-runs"), r"--out-dir /proc/t3rl-runs: cannot write"),
+    ("run-name a path", lambda c: argv_for(c, run_name="a/../../b"), r"--run-name a/../../b: the name of a folder in --out-dir, "
+                                                                     r"not a path"),
     ("reused run name", lambda c: argv_for(c, out_dir=run_copy(c).parent),
      r"run folder .*/run already holds a run; continue it with --resume .*/run, or pick another --run-name"),
     ("resume a finished run", lambda c: ["--resume", str(run_copy(c))], r"the run is finished .*read it with python -m extensions.study --replay"),
