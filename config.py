@@ -289,7 +289,7 @@ def check_config(cfg: Config):
     if cfg.agent and cfg.backend == "kv":
         raise OptionError("--agent with --backend kv: the agent's tool calls run in kv-fast, hf or "
                           "vllm; pass --backend kv-fast")
-    if cfg.run_name in (".", "..") or "/" in cfg.run_name or os.sep in cfg.run_name:
+    if cfg.run_name in (".", "..") or "/" in cfg.run_name:
         raise OptionError(f"--run-name {cfg.run_name}: the name of a folder in --out-dir, not a "
                           f"path; pass the folder that holds the runs as --out-dir")
     cache = Path(cfg.eval_cache).expanduser()

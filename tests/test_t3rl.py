@@ -121,7 +121,8 @@ def test_a_policy_whose_source_is_bfloat16_trains_float32_master_weights(tiny_di
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
     real_load = models.load_model
-    monkeypatch.setattr(models, "load_model", lambda spec, dtype=None, option="--model": real_load(spec, dtype or torch.bfloat16, option))
+    monkeypatch.setattr(models, "load_model", lambda spec, dtype=None, option="--model": real_load(
+        spec, dtype or torch.bfloat16, option))
     run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", max_steps=2, lr=2e-6, n_votes=8,
                                             n_train=4, save_every=2)))
     assert sum(r["reward"] for r in rows(run, "rollouts.jsonl") if r["kept"]) > 0
