@@ -79,36 +79,39 @@ class VerdictMemory:
             return None
         return last[-1]
 
+    def question_classes(self, groups, answers) -> list[list[int]]:
+        """The batch's answer classes, question by question: lists of rollout indices."""
+        by_question = {}
+        for i, qid in enumerate(groups):
+            by_question.setdefault(qid, []).append(i)
+        return [[indices[m] for m in members] for indices in by_question.values()
+                for members in answer_classes([answers[i] for i in indices], **self.domain.classes)]
+
     def recall(self, groups, answers, results):
         """(i, verdict row) for each rollout not judged yet (results[i] None) whose answer class is
         settled."""
-        remembered, by_question = [], {}
-        for i, answer in enumerate(answers):
-            if answer is not None:
-                by_question.setdefault(groups[i], []).append(i)
-        for qid, indices in by_question.items():
-            for members in answer_classes([answers[i] for i in indices], **self.domain.classes):
-                e = self.entry(qid, answers[indices[members[0]]])
-                known = e and self.settled(e)
-                if known:
-                    remembered += [(indices[m], known) for m in members
-                                   if results[indices[m]] is None]
+        remembered = []
+        for members in self.question_classes(groups, answers):
+            e = self.entry(groups[members[0]], answers[members[0]])
+            known = e and self.settled(e)
+            if known:
+                remembered += [(i, known) for i in members if results[i] is None]
         return remembered
 
     def lessons(self, step, groups, answers, results) -> list[dict]:
-        """What this step's fresh verdicts showed, per question and answer class: v = 1 when one of
-        its rollouts was reproduced (that rollout's status and result), else 0 (the first's)."""
-        rows = {}
-        for i, (answer, res) in enumerate(zip(answers, results)):
-            if answer is None or res.inferred or res.status == "skipped":
-                continue
-            e = self.entry(groups[i], answer)
-            key = (groups[i], self.domain.key(e["answer"] if e else answer))
-            row = rows.setdefault(key, {"step": step, "id": groups[i], "answer": answer, "v": 0,
-                                        "status": res.status, "result": res.result})
-            if res.v > row["v"]:
-                row.update(v=1, status=res.status, result=res.result)
-        return list(rows.values())
+        """What this step's fresh verdicts showed, one row per question and answer class: v = 1 when
+        one of its rollouts was reproduced (that rollout's status and result), else 0 (the
+        first's)."""
+        rows = []
+        for members in self.question_classes(groups, answers):
+            fresh = [i for i in members if not results[i].inferred
+                     and results[i].status != "skipped"]
+            if fresh:
+                shown = results[next((i for i in fresh if results[i].v > 0), fresh[0])]
+                rows.append((fresh[0], {"step": step, "id": groups[fresh[0]],
+                                        "answer": answers[fresh[0]], "v": int(shown.v > 0),
+                                        "status": shown.status, "result": shown.result}))
+        return [row for _, row in sorted(rows, key=lambda first_row: first_row[0])]
 
     def learn(self, rows, write=True):
         """Take a step's lessons (every process's); the main process appends them to the file."""
@@ -117,6 +120,10 @@ class VerdictMemory:
             if e is None:
                 e = {"answer": row["answer"], "outcomes": []}
                 self.classes.setdefault(row["id"], []).append(e)
-            e["outcomes"].append((row["step"], row))
+            if e["outcomes"] and e["outcomes"][-1][0] == row["step"]:  # one step, one outcome
+                if row["v"] > e["outcomes"][-1][1]["v"]:
+                    e["outcomes"][-1] = (row["step"], row)
+            else:
+                e["outcomes"].append((row["step"], row))
         if write and self.path is not None and rows:
             append_jsonl(self.path, rows)

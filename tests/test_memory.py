@@ -49,6 +49,17 @@ def test_one_step_settles_no_class_and_two_that_agree_do(verify_pool):
     assert verifier.batches == [] and [(r.v, r.details.get("remembered", False)) for r in results] == [(1, True), (1, True)]
 
 
+def test_one_step_settles_no_class_even_when_it_spells_its_answer_two_ways(verify_pool):
+    """55 and 50+5 are one class that only sympy joins (their keys differ): one step's two fresh verdicts
+    on it are one outcome, so the next step verifies the class afresh."""
+    mem = memory()
+    step(mem, ["55", "50+5"], [block(RIGHT), block(RIGHT)], verify_pool, 0)
+    assert [row["v"] for _, row in mem.entry("q0", "55")["outcomes"]] == [1]
+    results, verifier = step(mem, ["55"], [block(RIGHT)], verify_pool, 1)
+    assert [len(batch) for batch in verifier.batches] == [1]
+    assert [(r.v, r.details.get("remembered", False)) for r in results] == [(1, False)]
+
+
 def test_a_kept_verdict_is_the_last_steps_and_a_disagreeing_step_unsettles_nothing_kept(verify_pool):
     """Lessons come only from rollouts verified afresh: a kept class learns nothing more, so it keeps the
     verdict its last two steps agreed on, and a step's verdict on a class is one row, v = 1 when any of
