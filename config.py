@@ -34,7 +34,8 @@ class Range:
     high_open: bool = True
 
     def __contains__(self, x) -> bool:
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x):
+        if (isinstance(x, bool) or not isinstance(x, (int, float)) or x != x  # x != x: nan
+                or isinstance(x, int) and abs(x) >= 2**63):  # past int64 (and float)
             return False
         return ((x > self.low if self.low_open else x >= self.low)
                 and (x < self.high if self.high_open else x <= self.high))
@@ -47,6 +48,10 @@ class Range:
 
 COUNT, AT_LEAST_ONE, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
 SHARE = Range(0, 1, low_open=True, high_open=False)
+# each field's type, as check_config accepts it (a config.json edited by hand may hold any JSON)
+TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str}
+TYPE_NAMES = {"bool": "true or false", "int": "a whole number", "float": "a number",
+              "str": "a string"}
 
 
 def option(default, doc: str, allowed=None):
@@ -239,15 +244,24 @@ def resumed_config(given: dict) -> Config:
     run_dir = Path(given["resume"])
     path = run_dir / "config.json"
     if not path.is_file():
-        what = "no such folder" if not run_dir.is_dir() else "no config.json in it"
+        what = ("no config.json in it" if run_dir.is_dir() else "a file, not a folder"
+                if run_dir.exists() else "no such folder")
         raise OptionError(f"--resume {run_dir}: {what}; pass a run folder written by t3rl.py (or "
                           f"start a new run without --resume)")
     try:
         saved = json.loads(path.read_text(encoding="utf-8"))
-        cfg = Config(**{k: v for k, v in saved.items() if k in {f.name for f in fields(Config)}})
-    except (ValueError, TypeError) as err:
+        names = {f.name for f in fields(Config)}
+        cfg = Config(**{k: v for k, v in saved.items() if k in names})
+    except (ValueError, TypeError, AttributeError) as err:  # AttributeError: not a JSON object
         raise OptionError(f"{path}: damaged ({err}); restore it from a copy, or start a new "
                           f"run") from None
+    for key in saved.keys() - names:  # an option this t3rl does not have (a typo, an older run)
+        print(f"[t3rl] --resume: {path} sets {key}, not an option of this t3rl; ignored",
+              file=sys.stderr)
+    try:
+        check_config(cfg)
+    except OptionError as err:
+        raise OptionError(f"{path}: {err}") from None
     changed = {k: v for k, v in given.items()
                if k not in ("resume", "preset") and v != getattr(cfg, k)}
     refused = [f"{flag(k)} {v} (the run has {getattr(cfg, k)})" for k, v in changed.items()
@@ -260,17 +274,18 @@ def resumed_config(given: dict) -> Config:
         print(f"[t3rl] --resume: {flag(key)} {getattr(cfg, key)} -> {value}", file=sys.stderr)
         setattr(cfg, key, value)
     cfg.resume = str(run_dir)
-    try:
-        check_config(cfg)
-    except OptionError as err:
-        raise OptionError(f"{path}: {err}") from None
+    check_config(cfg)  # the options typed
     return cfg
 
 
 def check_config(cfg: Config):
-    """Every value against what it allows, then the values that depend on each other."""
+    """Every value against its type and what it allows, then the values that depend on each
+    other."""
     for f in fields(Config):
         value, allowed = getattr(cfg, f.name), f.metadata["allowed"]
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        if isinstance(value, bool) != (kind == "bool") or not isinstance(value, TYPES[kind]):
+            raise OptionError(f"{flag(f.name)} {value!r}: must be {TYPE_NAMES[kind]}")
         if isinstance(allowed, Range) and value not in allowed:
             raise OptionError(f"{flag(f.name)} {value}: must be in {allowed}")
         if isinstance(allowed, tuple) and value not in allowed:
@@ -289,9 +304,12 @@ def check_config(cfg: Config):
     if cfg.agent and cfg.backend == "kv":
         raise OptionError("--agent with --backend kv: the agent's tool calls run in kv-fast, hf or "
                           "vllm; pass --backend kv-fast")
-    if cfg.run_name in (".", "..") or "/" in cfg.run_name:
+    if cfg.run_name in (".", "..") or "/" in cfg.run_name or "\0" in cfg.run_name:
         raise OptionError(f"--run-name {cfg.run_name}: the name of a folder in --out-dir, not a "
                           f"path; pass the folder that holds the runs as --out-dir")
+    if len(cfg.run_name.encode()) > 200:  # the file system's limit is 255 bytes
+        raise OptionError(f"--run-name {cfg.run_name[:40]}...: {len(cfg.run_name.encode())} bytes "
+                          f"long; pass a name of at most 200")
     cache = Path(cfg.eval_cache).expanduser()
     if cfg.eval_cache not in ("auto", "none") and cache.exists() and not cache.is_dir():
         raise OptionError(f"--eval-cache {cfg.eval_cache}: a file, not a folder; pass a folder (it "

@@ -80,6 +80,7 @@ def open_run_dir(cfg) -> Path:
     if cfg.resume:
         for name in ("metrics.jsonl", "rollouts.jsonl", "evaluations.jsonl"):
             drop_torn_tail(run_dir / name)
+            check_steps(run_dir / name)
         finished = [r for r in read_jsonl_rows(run_dir / "metrics.jsonl") if r.get("final")]
         if finished:
             raise RunDirError(f"--resume {run_dir}: the run is finished (final evaluation at step "
@@ -180,10 +181,13 @@ def checkpoint_damage(checkpoint: Path) -> str | None:
     for path in weights:
         with open(path, "rb") as fh:
             size = int.from_bytes(fh.read(8), "little")
-            try:
+            try:  # a damaged length, or a header that is not safetensors' {name: {data_offsets}}
+                if size > path.stat().st_size:
+                    raise ValueError(size)
                 header = json.loads(fh.read(size))
-                end = max(t["data_offsets"][1] for k, t in header.items() if k != "__metadata__")
-            except (ValueError, KeyError, TypeError):
+                end = max(int(t["data_offsets"][1]) for k, t in header.items()
+                          if k != "__metadata__")
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError):
                 return f"{path.relative_to(checkpoint.parent)} has a damaged header"
         if path.stat().st_size < 8 + size + end:
             return f"{path.relative_to(checkpoint.parent)} is truncated"
@@ -191,9 +195,11 @@ def checkpoint_damage(checkpoint: Path) -> str | None:
 
 
 def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
-    """The newest complete checkpoint and its state (step, optimizer, scheduler, RNG). A damaged one
-    is set aside as checkpoint.damaged/ (kept for inspection) and the previous one,
-    checkpoint.old/, is used."""
+    """The newest complete checkpoint and its state (step, optimizer, scheduler, RNG): checkpoint/,
+    else the previous one, checkpoint.old/, the damaged one set aside as checkpoint.damaged/ (kept
+    for inspection). (None, None) when the run wrote none yet; a RunDirError when every one it has
+    is damaged (nothing moved: resuming from step 0 would drop the run's rows)."""
+    problems = []
     for name in ("checkpoint", "checkpoint.old"):
         checkpoint = run_dir / name
         if not checkpoint.exists():
@@ -203,17 +209,30 @@ def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
             try:
                 # memory-mapped: pages load as the optimizer takes them, not the whole file on
                 # every process at once (18.5 GB for the paper's policy)
-                return checkpoint, torch.load(checkpoint / "state.pt", weights_only=False,
-                                              map_location="cpu", mmap=True)
+                state = torch.load(checkpoint / "state.pt", weights_only=False,
+                                   map_location="cpu", mmap=True)
+                if not isinstance(state, dict) or STATE_KEYS - state.keys():
+                    raise ValueError("not a t3rl state")
             except Exception as err:
                 # truncated or corrupt pickle: EOFError, RuntimeError, UnpicklingError, ...
                 problem = f"{name}/state.pt is damaged ({type(err).__name__})"
-        damaged = run_dir / "checkpoint.damaged"
-        shutil.rmtree(damaged, ignore_errors=True)
-        os.replace(checkpoint, damaged)
-        print(f"[t3rl] {run_dir}: {problem}; moved it to {damaged.name}/ and falling back to the "
-              f"previous checkpoint", file=sys.stderr)
+        if problem is None:
+            if problems:
+                damaged = run_dir / "checkpoint.damaged"
+                shutil.rmtree(damaged, ignore_errors=True)
+                os.replace(run_dir / "checkpoint", damaged)
+                print(f"[t3rl] {run_dir}: {problems[0]}; moved it to {damaged.name}/ and resuming "
+                      f"from the previous checkpoint, {name}/", file=sys.stderr)
+            return checkpoint, state
+        problems.append(problem)
+    if problems:
+        raise RunDirError(f"--resume {run_dir}: {'; '.join(problems)}; no checkpoint to resume "
+                          f"from (nothing was changed): restore one from a copy, or start a new "
+                          f"run")
     return None, None
+
+
+STATE_KEYS = {"step", "optimizer", "scheduler", "rng"}  # what state.pt holds
 
 
 def restore_state(state: dict, load_optimizer, scheduler) -> int:
@@ -485,6 +504,17 @@ def append_jsonl(path: Path, rows: list[dict]):
 def write_jsonl(path: Path, rows):
     """Replace a JSONL file with `rows`, atomically."""
     write_atomically(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+
+
+def check_steps(path: Path):
+    """Each row of a run's JSON-lines file says its step (a metrics row its kind too), which a
+    resume reads to keep the rows before its checkpoint; a row edited by hand ends here in one
+    line."""
+    for lineno, row in jsonl_objects(path, torn_tail_ok=True) if path.is_file() else ():
+        if type(row.get("step")) is not int or (path.name == "metrics.jsonl"
+                                                 and row.get("kind") not in ("train", "eval")):
+            raise DataError(f"{path}:{lineno}: a row without its step (a whole number) or kind; "
+                            f"fix or delete that line")
 
 
 def keep_jsonl(path: Path, keep):

@@ -209,6 +209,19 @@ def edit_config(run: Path, **changes) -> Path:
     return run
 
 
+def append_line(path: Path, line: str):
+    with open(path, "a") as fh:
+        fh.write(line + "\n")
+
+
+def damage_checkpoints(run: Path) -> list:
+    """Both checkpoints' state.pt cut short (a disk that filled up twice): the run to --resume."""
+    for name in ("checkpoint", "checkpoint.old"):
+        state = run / name / "state.pt"
+        state.write_bytes(state.read_bytes()[:100])
+    return ["--resume", str(run)]
+
+
 Q = lambda i, problem="What is 1 + 1?", **extra: json.dumps({"id": f"q{i}", "problem": problem, "answer": "2", **extra})  # noqa: E731,E501
 
 
@@ -270,6 +283,25 @@ BAD_INPUTS = [
     ("resume a config.json edited wrong", lambda c: ["--resume", str(edit_config(run_copy(c, final=False), lr=-1))],
      r"run/config.json: --lr -1: must be in \[0, inf\)"),
     ("resume no folder", lambda c: ["--resume", str(c["tmp"] / "nothing")], r"--resume .*/nothing: no such folder"),
+    ("resume a file", lambda c: ["--resume", str(c["tiny"] / "config.json")], r"--resume .*config.json: a file, not a folder"),
+    ("resume a config.json not an object", lambda c: (run_copy(c, final=False) / "config.json").write_text("[1, 2]") and
+     ["--resume", str(c["run"])], r"run/config.json: damaged .*restore it"),
+    ("resume a config.json with a string for a number", lambda c: ["--resume", str(edit_config(run_copy(c, final=False),
+                                                                                          n_votes="8"))],
+     r"run/config.json: --n-votes '8': must be a whole number"),
+    ("resume a config.json with null for a name", lambda c: ["--resume", str(edit_config(run_copy(c, final=False), bench=None))],
+     r"run/config.json: --bench None: must be a string"),
+    ("resume a config.json with a string for a switch", lambda c: ["--resume", str(edit_config(run_copy(c, final=False),
+                                                                                          lazy_verify="false"))],
+     r"run/config.json: --lazy-verify 'false': must be true or false"),
+    ("resume a metrics row without its step", lambda c: append_line(run_copy(c, final=False) / "metrics.jsonl", '{"kind": "train"}')
+     or ["--resume", str(c["run"])], r"run/metrics.jsonl:\d+: a row without its step \(a whole number\) or kind; fix or delete"),
+    ("resume with every checkpoint damaged", lambda c: damage_checkpoints(run_copy(c, final=False)),
+     r"--resume .*/run: checkpoint/state.pt is damaged \(\w+\); checkpoint.old/state.pt is damaged \(\w+\); no checkpoint "
+     r"to resume from \(nothing was changed\)"),
+    ("n-votes past int64", lambda c: argv_for(c, n_votes=10**30), r"--n-votes 10{30}: must be in \[1, inf\)"),
+    ("run-name too long", lambda c: argv_for(c, run_name="x" * 300), r"--run-name x{40}\.\.\.: 300 bytes long; pass a name of at "
+                                                                     r"most 200"),
     ("bench not UTF-8", lambda c: bench_file(c, (Q(0) + '\n{"id": "q1", "problem": "caf\xe9", "answer": "2"}\n').encode("latin-1")),
      r"demo.jsonl:2: not UTF-8 \(byte 0xe9 at column 29\); save the file as UTF-8"),
     ("bench problem not a string", lambda c: bench_file(c, (Q(0, [1, 2]) + "\n").encode()),
@@ -290,6 +322,13 @@ NEEDS_A_MODEL = [
      r"question q1 of --bench demo: its prompt \(\d+ tokens\) \+ --max-new-tokens 12 exceeds the policy's context of "
      r"2048 tokens; the run stops here: remove that question"),
 ]
+
+
+def test_a_resumed_config_json_key_that_is_no_option_is_named_and_ignored(finished_run, tmp_path, capsys):
+    """A typo in a config.json edited by hand (n_vote) is not silently dropped: a line names it."""
+    run = edit_config(copy_run(finished_run, tmp_path / "run", final=False), n_vote=64)
+    cfg = parse_config(["--resume", str(run)])
+    assert cfg.n_votes == 4 and f"{run / 'config.json'} sets n_vote, not an option of this t3rl; ignored" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name,make_argv,line", BAD_INPUTS + NEEDS_A_MODEL, ids=[c[0] for c in BAD_INPUTS + NEEDS_A_MODEL])

@@ -176,6 +176,14 @@ def test_truncated_weights_are_a_damaged_checkpoint(finished_run, tmp_path):
     assert runs.checkpoint_damage(run / "checkpoint") == "checkpoint/model/model.safetensors is truncated"
 
 
+def test_a_weights_file_whose_header_length_is_garbage_is_a_damaged_checkpoint(finished_run, tmp_path):
+    """A damaged length (bit rot: far past the file's end) is damage, not an attempt to read 2^63 bytes."""
+    run = copy_run(finished_run, tmp_path / "run")
+    weights = run / "checkpoint" / "model" / "model.safetensors"
+    weights.write_bytes(b"\xff" * 8 + weights.read_bytes()[8:])
+    assert runs.checkpoint_damage(run / "checkpoint") == "checkpoint/model/model.safetensors has a damaged header"
+
+
 def test_resume_drops_torn_last_lines_and_a_stale_checkpoint_old(finished_run, tmp_path, monkeypatch, patched, capsys):
     run = copy_run(finished_run, tmp_path / "out" / "run", upto=2)
     for name, torn in (("metrics.jsonl", '{"kind": "train", "st'), ("rollouts.jsonl", '{"step": 2, "id": "q')):
