@@ -14,6 +14,7 @@ import ctypes.util
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import sys
@@ -85,8 +86,8 @@ def open_run_dir(cfg) -> Path:
         if finished:
             raise RunDirError(f"--resume {run_dir}: the run is finished (final evaluation at step "
                               f"{finished[-1]['step']} in metrics.jsonl); read it with python -m "
-                              f"extensions.study --replay {run_dir}, or start a new run with "
-                              f"another --run-name")
+                              f"extensions.study --replay {shlex.quote(str(run_dir))}, or start a "
+                              f"new run with another --run-name")
         saved = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
         # --eval-every / --save-every changed
         if {**asdict(cfg), "resume": saved.get("resume", "")} != saved:
@@ -133,7 +134,7 @@ def save_checkpoint(run_dir: Path, step: int, trained, tokenizer, optimizer, sch
             raise RunDirError(f"{run_dir}: cannot write the checkpoint of step {step} "
                               f"({'the disk is full' if full else err.strerror or err}); free "
                               f"space there and continue with: python t3rl.py --resume "
-                              f"{run_dir}") from None
+                              f"{shlex.quote(str(run_dir))}") from None
         if final.exists():
             if old.exists():
                 shutil.rmtree(old)

@@ -176,11 +176,11 @@ def test_interrupted_run_resumes_to_the_same_metrics(tiny_dir, tmp_path, monkeyp
     straight = t3rl.train(parse_config(argv("a")))
 
     with interrupted_at_update(monkeypatch, 4), pytest.raises(SystemExit) as stop:
-        t3rl.main(argv("b"))  # Ctrl-C: one line with the command that continues the run
-    run = tmp_path / "b" / "run"
+        t3rl.main(argv("b c"))  # Ctrl-C: one line with the command that continues the run, pasted as it is
+    run = tmp_path / "b c" / "run"
     assert stop.value.code == (f"interrupted: {run} holds every step up to its last checkpoint; continue with: "
-                               f"python t3rl.py --resume {run}")
-    resumed = t3rl.train(parse_config(["--resume", str(tmp_path / "b" / "run")]))
+                               f"python t3rl.py --resume '{run}'")
+    resumed = t3rl.train(parse_config(["--resume", str(run)]))
 
     assert without_timing(rows(resumed, "metrics.jsonl")) == without_timing(rows(straight, "metrics.jsonl"))
     assert rows(resumed, "rollouts.jsonl") == rows(straight, "rollouts.jsonl")
