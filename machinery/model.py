@@ -278,8 +278,12 @@ def _resolve(spec: str, option: str = "--model") -> Path | str:
         return offline_model_dir(spec)
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
+        # the converted folder is named by the file's contents: another file of that name and size
+        # (a fine-tune in the same quantisation) is another model (hashing 1 GB: about a second)
+        with open(path, "rb") as fh:
+            digest = hashlib.file_digest(fh, "sha256").hexdigest()[:16]
         with _locked(cache_dir() / "gguf.lock"):
-            return _convert_gguf(path, cache_dir() / f"{path.stem}-{path.stat().st_size}")
+            return _convert_gguf(path, cache_dir() / f"{path.stem}-{digest}")
     return path if path.is_dir() else spec
 
 

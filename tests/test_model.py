@@ -50,6 +50,21 @@ def _fake_parts(tmp_path, monkeypatch, blob, cuts):
                                   torch.float32, "fake")
 
 
+def test_two_gguf_files_of_one_name_and_size_convert_to_two_folders(tmp_path, monkeypatch):
+    """Two fine-tunes exported alike (model.gguf, the same size) are two models: each gets its own
+    converted folder, never the other's weights."""
+    monkeypatch.setenv("T3RL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(model_lib, "_convert_gguf", lambda gguf, out_dir: out_dir)
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+    blob = _tiny_gguf(tmp_path / "a" / "model.gguf")
+    (tmp_path / "b" / "model.gguf").write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))  # a weight differs
+    (tmp_path / "c.gguf").write_bytes(blob)  # the first one, copied
+    folders = [model_lib._resolve(str(tmp_path / name)) for name in ("a/model.gguf", "b/model.gguf", "c.gguf")]
+    assert folders[0] != folders[1] and folders[0].name.startswith("model-")
+    assert folders[2].name.split("-")[1] == folders[0].name.split("-")[1]  # the same contents, the same key
+
+
 def test_parts_assemble_in_order_into_one_gguf(tmp_path, monkeypatch):
     blob = _tiny_gguf(tmp_path / "whole.gguf")
     fake = _fake_parts(tmp_path, monkeypatch, blob, [300, 600])
