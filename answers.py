@@ -29,6 +29,9 @@ import re
 from fractions import Fraction
 
 EQUIV_TIME_LIMIT_S = 2.0
+# longer than any real answer: compared as its text, so that no rule runs on a degenerate rollout's
+# 100,000 characters (several rules take time quadratic in the length)
+MAX_ANSWER_CHARS = 1000
 # a decimal with this many significant digits is a printed double, not a human rounding
 MACHINE_DIGITS = 15
 
@@ -63,16 +66,27 @@ def _braced(text, start):
     return None
 
 
+def _closing_braces(text):
+    """The index of each '{' -> the index of the '}' that closes it (unclosed ones are left out)."""
+    closing, open_braces = {}, []
+    for i, c in enumerate(text):
+        if c == "{":
+            open_braces.append(i)
+        elif c == "}" and open_braces:
+            closing[open_braces.pop()] = i
+    return closing
+
+
 def _boxes(text):
     """(start, end, content) of every closed, non-empty \boxed{...} / \fbox{...} / "\boxed 5",
     outermost only."""
-    found = []
+    found, closing = [], _closing_braces(text) if "{" in text else {}
     for m in _BOX.finditer(text):
         if found and m.start() < found[-1][1]:
             continue  # a box inside the previous one
         if m.group(1):
-            content = _braced(text, m.start(1))
-            end = m.start(1) + len(content) + 2 if content is not None else None
+            end = closing.get(m.start(1))
+            content, end = (text[m.start(1) + 1:end], end + 1) if end else (None, None)
         else:
             token = re.match(r"[^\s$]+", text[m.end():])
             content, end = (token.group(0), m.end() + token.end()) if token else (None, None)
@@ -109,7 +123,7 @@ def _sentence_answer(text, match):
     if math:
         answer = next(g for g in math.groups() if g is not None)
     else:
-        answer = re.split(r"\.(?:\s|$)|\n|\s+I hope\b", rest)[0]
+        answer = re.split(r"\.(?:\s|$)|\n|\sI hope\b", rest)[0]
     return answer.strip().strip("$").strip() or None
 
 
@@ -220,7 +234,7 @@ def _number(s):
     r"""The exact value of a plain number spelling (25, 025, 142.0, .5, 0.\overline{3}, \frac{3}{4},
     3/4, 1\frac{4}{5}, 6.72\times10^{-5}), or None."""
     # int() refuses more than 4300 digits; such a spelling is no plain answer anyway
-    if len(s) > 1000:
+    if len(s) > MAX_ANSWER_CHARS:
         return None
     m = _NUMBER.match(s)
     if m and (m.group(2) or m.group(3) or m.group(4) or m.group(5)):
@@ -437,6 +451,8 @@ def _interval_or_none(s):
 
 @functools.lru_cache(maxsize=1 << 16)
 def _key(ans):
+    if len(ans) > MAX_ANSWER_CHARS:
+        return ans
     s = _strip_presentation(ans)
     choice = _CHOICE.match(s)
     if choice:
@@ -461,17 +477,34 @@ _EQUATION = re.compile(r"(?<![<>!])=")
 _IN_BASE = re.compile(r"(\d+)_(\d+)")
 
 
+def _is_tuple(key):
+    """Whether a key is a tuple or an interval, '(1,2)', '[0,1)' (not '(1)(2)' or a union)."""
+    if not re.fullmatch(r"[(\[].*[)\]]", key):
+        return False
+    depth = 0
+    for c in key[1:-1]:
+        depth += (c in "([{") - (c in ")]}")
+        if depth < 0:
+            return False
+    return len(_split_top(key[1:-1], ",")) > 1
+
+
 def _decided_by_strings(key_a, key_b):
     """True/False when the keys alone decide, None when sympy has to.
 
     An empty answer equals nothing. Two different plain numbers, choice letters or words differ; an
-    equation (what is left after answer_key took 'x =' off) differs from a value. A number in a base
+    equation (what is left after answer_key took 'x =' off) differs from a value, a tuple or an
+    interval from a set or list, and a key past MAX_ANSWER_CHARS from any other. A number in a base
     (52_8) equals the same digits written without the base (the question names the base), but not
     the digits in another base."""
     if not key_a or not key_b:
         return False
     if key_a == key_b:
         return True
+    if max(len(key_a), len(key_b)) > MAX_ANSWER_CHARS:
+        return False
+    if _is_tuple(key_a) != _is_tuple(key_b) and r"\{" in (key_a[:2], key_b[:2]):
+        return False  # math-verify compares a tuple or interval with a set unordered: (2,1) = 1,2
     if _PLAIN.fullmatch(key_a) and _PLAIN.fullmatch(key_b):
         return False
     if (_EQUATION.search(key_a) is None) != (_EQUATION.search(key_b) is None):

@@ -8,6 +8,7 @@ import pytest
 
 from answers import answer_key, extract_answer, is_equiv, same_answer
 from bench.answers import EQUIV_CASES
+from voting import answer_classes
 
 
 @pytest.mark.parametrize("text, answer", [
@@ -111,6 +112,24 @@ def test_is_equiv_on_the_labelled_set_has_no_false_positive():
     right = sum(is_equiv(c["pred"], c["gold"]) == c["equal"] for c in cases)
     assert false_pos == []
     assert right / len(cases) >= 0.985
+
+
+def test_a_tuple_never_equals_a_set_so_a_wrong_order_joins_no_vote_class():
+    """math-verify compares a tuple or interval with a set unordered: (2,1) would equal 1,2, which equals
+    (1,2), and the vote's classes (connected by same_answer) would reward the wrong order."""
+    assert not is_equiv("(2,1)", "1,2") and not is_equiv("(1,2)", "\\{1,2\\}") and not is_equiv("x\\in(1,2)", "1,2")
+    assert is_equiv("(1, 2)", "\\left(1,2\\right)") and is_equiv("2, 1", "\\{1,2\\}")
+    assert answer_classes(["(1,2)", "(2,1)", "1, 2"], same=same_answer, key=answer_key) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("text, gold", [("x+0." + "1" * 4301, "x"),  # int() refuses 4300 digits
+                                        ("1" + " " * 20000 + "2", "12"),
+                                        ("The final answer is 1" + " " * 40000 + "2", "12")])
+def test_a_degenerate_rollout_is_read_without_error_and_equals_nothing_else(text, gold):
+    """A rollout of 10,000s of spaces or braces: its answer (none, or one longer than any real answer)
+    equals only itself, and no rule raises on it."""
+    answer = extract_answer(text) or text
+    assert not is_equiv(answer, gold) and answer_key(answer) == answer_key(answer)
 
 
 def test_hanging_comparison_returns_within_its_limit():
