@@ -39,6 +39,7 @@ import shutil
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,8 +57,9 @@ SCRATCH = "/tmp/sandbox"     # in the worker's private /tmp: a tmpfs that holds 
 # --------------------------------------------------------------------------------------------------
 # Linux system calls that the standard library of Python 3.11 lacks.
 
-CLONE_NEWNS, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (0x00020000, 0x10000000, 0x20000000,
-                                                          0x40000000)
+CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
+    0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
+MNT_DETACH = 2
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
@@ -88,6 +90,10 @@ def _bytes(s):
 
 def _unshare(flags):
     _check(_libc.unshare(flags), "unshare")
+
+
+def _umount(target):
+    _check(_libc.umount2(_bytes(target), MNT_DETACH), f"umount {target}")
 
 
 def _mount(source, target, fstype, flags, data=None):
@@ -197,6 +203,8 @@ def _lock_down(cfg, folder, request_r, out_w, err_w, status_w):
     """Make this process the snippet's: own session, pipes on fds 0-4, privileges dropped, limits
     set, an empty environment in its own folder."""
     os.setsid()
+    if cfg["mode"] != "none":  # System V shared memory it leaves goes with it, not to the next one
+        _unshare(CLONE_NEWIPC)
     stdin = os.open("/dev/null", os.O_RDONLY)
     # lift the pipes above 4 first, so that no dup2 below overwrites one it still needs
     lifted = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
@@ -317,8 +325,7 @@ def _build_file_system(cfg):
         _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
         os.close(fd)
     os.makedirs(SCRATCH, exist_ok=True)
-    _mount("tmpfs", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV,
-           f"size={SCRATCH_BYTES},nr_inodes=4096,mode=755")
+    _mount_scratch()
     failed = []
     for point, flags in _mount_points():
         if point == SCRATCH or _inside(point, "/proc"):
@@ -339,6 +346,11 @@ def _build_file_system(cfg):
     if failed:
         files += f"; NOT read-only (remount refused): {', '.join(failed)}"
     return {"files": files, "proc": proc}
+
+
+def _mount_scratch():
+    _mount("tmpfs", SCRATCH, "tmpfs", MS_NOSUID | MS_NODEV,
+           f"size={SCRATCH_BYTES},nr_inodes=4096,mode=755")
 
 
 def _worker_setup(cfg):
@@ -526,11 +538,15 @@ def _run(snippet, request, cfg):
 
 def _discard_snippet(snippet, cfg):
     """After the reply: reap the snippet process, close the pipes, remove the folder (and all else
-    written)."""
+    written: a fresh tmpfs replaces the one it wrote in, however deep it nested its folders)."""
     _reap_all(snippet.pid, cfg["mode"] != "none")
     for fd in (snippet.out_r, snippet.err_r, snippet.status_r, snippet.pidfd):
         os.close(fd)
-    _empty_folder(SCRATCH) if cfg["mode"] != "none" else _remove_tree(snippet.folder)
+    if cfg["mode"] != "none":
+        _umount(SCRATCH)
+        _mount_scratch()
+    else:
+        _remove_tree(snippet.folder)
 
 
 def _remove_tree(path):
@@ -538,13 +554,10 @@ def _remove_tree(path):
         os.chmod(os.path.dirname(failed), 0o700)
         os.chmod(failed, 0o700)
         func(failed) if func is not os.rmdir else shutil.rmtree(failed, onerror=make_writable)
-    shutil.rmtree(path, onerror=make_writable)
-
-
-def _empty_folder(folder):
-    for name in os.listdir(folder):
-        path = os.path.join(folder, name)
-        _remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
+    try:
+        shutil.rmtree(path, onerror=make_writable)
+    except RecursionError:  # folders nested past Python's recursion limit: rm does not recurse
+        subprocess.run(["rm", "-rf", "--", path], check=False)
 
 
 def _worker(cfg, sock):

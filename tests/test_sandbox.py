@@ -253,6 +253,29 @@ def test_its_folder_is_writable_and_fresh_each_time(pool):
     assert [r.stdout for r in pool.run_many([code] * 4)] == ["[]\n"] * 4
 
 
+def test_folders_nested_past_the_recursion_limit_leave_the_next_program_unharmed():
+    """A program that nests 3,000 folders ran, and so does the next one in the same worker: removing its
+    folder must not recurse past Python's limit (that killed the worker: the next program was "killed")."""
+    deep = "import os\nfor _ in range(3000):\n    os.mkdir('a')\n    os.chdir('a')\nprint('deep')"
+    with SandboxPool(workers=1) as one:
+        assert [(r.status, r.stdout) for r in (one.run(deep), one.run("print(1)"))] == [("ok", "deep\n"), ("ok", "1\n")]
+
+
+SHARED_MEMORY = ("import ctypes\nlibc = ctypes.CDLL(None)\nlibc.shmat.restype = ctypes.c_void_p\n"
+                 "segment = libc.shmget(4242, 16 << 20, 0o1666)\naddress = libc.shmat(segment, None, 0)\n"
+                 "ctypes.memset(address, 7, 16 << 20)\nlibc.shmdt(ctypes.c_void_p(address))\nprint(segment)")
+
+
+def test_shared_memory_a_program_leaves_is_gone_for_the_next_one_and_the_host():
+    """System V shared memory outlives its process: left by one program, it would be memory no limit
+    counts, kept for the whole run, and a channel to the next program."""
+    with SandboxPool(workers=1) as one:
+        assert one.run(SHARED_MEMORY).stdout != "-1\n"
+        assert one.run("import ctypes\nprint(ctypes.CDLL(None).shmget(4242, 0, 0))").stdout == "-1\n"
+        with open("/proc/sysvipc/shm") as f:
+            assert not [line for line in f.read().splitlines()[1:] if line.split()[0] == "4242"]
+
+
 def test_network_is_unreachable_even_on_loopback(pool):
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
