@@ -43,8 +43,8 @@ from extensions import agent
 from machinery import model
 from machinery.benchmarks import load_bench
 from machinery.metrics import group_metrics
-from machinery.runs import (RunDirError, append_jsonl, drop_torn_tail, read_jsonl_rows, settle,
-                            write_jsonl)
+from machinery.runs import (DataError, RunDirError, append_jsonl, drop_torn_tail, jsonl_objects,
+                            read_jsonl_rows, settle, write_jsonl)
 from sampler import Sampling
 from sandbox import SandboxPool
 from verifier import SANDBOX_TIMEOUT, last_line, tool_agrees
@@ -68,7 +68,7 @@ def open_study(cfg) -> Path:
     run_dir = Path(cfg.resume) if cfg.resume else Path(cfg.out_dir) / (
         cfg.run_name or f"{cfg.bench}-study-{time.strftime('%Y%m%d-%H%M%S')}")
     saved = run_dir / "config.json"
-    before = json.loads(saved.read_text()) if saved.is_file() and not cfg.resume else {}
+    before = run_config(run_dir) if saved.is_file() and not cfg.resume else {}
     changed = sorted(key for key, value in asdict(cfg).items()
                      if key in before and before[key] != value)
     if changed:
@@ -116,6 +116,23 @@ def question_row(rec: dict, group, answers, verdicts, agent=None) -> dict:
                                  for call in c.tool_calls]
                                 for c in group])
     return row
+
+
+def run_config(run_dir: Path) -> dict:
+    """A run's or a study's config.json, with the bench and omega a report reads; one line when it
+    is missing or damaged."""
+    path = run_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunDirError(f"{run_dir}: no config.json there; pass a folder written by t3rl.py or "
+                          f"the study") from None
+    except (OSError, ValueError) as err:
+        raise RunDirError(f"{path}: damaged ({err}); restore it from a copy") from None
+    if not (isinstance(cfg, dict) and isinstance(cfg.get("bench"), str)
+            and type(cfg.get("omega")) in (int, float)):
+        raise RunDirError(f"{path}: no bench or omega in it; restore it from a copy")
+    return cfg
 
 
 def read_rows(run_dir: Path) -> list[dict]:
@@ -393,9 +410,8 @@ def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> s
     rows = read_rows(run_dir)
     if not rows:
         raise SystemExit(f"{run_dir}: no {STUDY_FILE} with finished questions; "
-                         f"run `python t3rl.py --study` first")
-    cfg = (json.loads((run_dir / "config.json").read_text())
-           if (run_dir / "config.json").is_file() else {})
+                         f"run `python -m extensions.study` first")
+    cfg = run_config(run_dir) if (run_dir / "config.json").is_file() else {}
     seed, omega = cfg.get("seed", 0), cfg.get("omega", 5.0)
     omega = omega if omega in OMEGAS and omega != 1 else 5.0
     ks = study_ks(min(len(r["answers"]) for r in rows))
@@ -478,18 +494,20 @@ def run_study(cfg) -> Path:
 def replay(run_dir: Path, omegas: list[float]) -> str:
     """Re-vote every saved rollout group with each omega: label accuracy, reward accuracy and flips,
     no model needed. A --study folder gets its study report (study.py) instead."""
+    cfg = run_config(run_dir)
+    domain = t3rl.bench_domain(cfg["bench"])
     if (run_dir / "study.jsonl").is_file():
-        dom = t3rl.bench_domain(json.loads((run_dir / "config.json").read_text())["bench"])
-        return report(run_dir, dom.classes, dom.equiv)
-    for name in ("config.json", "rollouts.jsonl"):
-        if not (run_dir / name).is_file():
-            raise RunDirError(f"--replay {run_dir}: no {name} there; "
-                              f"pass a run folder written by t3rl.py")
-    domain = t3rl.bench_domain(json.loads((run_dir / "config.json").read_text())["bench"])
-    cfg = json.loads((run_dir / "config.json").read_text())
+        return report(run_dir, domain.classes, domain.equiv)
+    if not (run_dir / "rollouts.jsonl").is_file():
+        raise RunDirError(f"--replay {run_dir}: no rollouts.jsonl there; pass a run folder "
+                          f"written by t3rl.py")
     gold = {r["id"]: r["answer"] for r in load_bench(cfg["bench"])}
     groups = {}
-    for r in read_jsonl_rows(run_dir / "rollouts.jsonl"):
+    for lineno, r in jsonl_objects(run_dir / "rollouts.jsonl", torn_tail_ok=True):
+        if r.get("id") not in gold or not {"step", "answer", "v", "status"} <= r.keys():
+            raise DataError(f"{run_dir / 'rollouts.jsonl'}:{lineno}: not a rollout of --bench "
+                            f"{cfg['bench']} (its id, step, answer, v and status); replay the "
+                            f"folder of a run on that benchmark, or fix or delete that line")
         groups.setdefault((r["step"], r["id"]), []).append(r)
     unsettled = [omega for omega in omegas if omega not in (1.0, cfg["omega"])]
     if unsettled and any(r["status"] == "skipped" for rows in groups.values() for r in rows):

@@ -2,6 +2,7 @@
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import grpo
 import t3rl
 from config import parse_config
 from extensions import budget, study
-from helpers import QUESTIONS, rows, tiny_argv, write_bench
+from helpers import QUESTIONS, copy_run, rows, tiny_argv, write_bench
 from machinery import model as model_lib
 from machinery import runs
 from verifier import MATH
@@ -66,6 +67,29 @@ def test_replay_of_a_lazy_run_refuses_the_omegas_its_verdicts_do_not_settle(tiny
         study.replay(run, [1.0, 2.0, math.inf])
 
 
+
+
+def append_line(path, line):
+    with open(path, "a") as fh:
+        fh.write(line + "\n")
+
+
+@pytest.mark.parametrize("damage, line", [
+    (lambda run: (run / "config.json").unlink(), r"/run: no config.json there; pass a folder written by t3rl.py"),
+    (lambda run: (run / "config.json").write_text('{"bench": '), r"run/config.json: damaged .*restore it"),
+    (lambda run: (run / "config.json").write_text("[]"), r"run/config.json: no bench or omega in it"),
+    (lambda run: append_line(run / "rollouts.jsonl", '{"step": 9, "id": "nope", "answer": "1", "v": 0, "status": "x"}'),
+     r"rollouts.jsonl:\d+: not a rollout of --bench demo \(its id, step, answer, v and status\)"),
+    (lambda run: append_line(run / "rollouts.jsonl", '{"step": 9, "id": "q0"}'), r"rollouts.jsonl:\d+: not a rollout"),
+], ids=["no config", "damaged config", "config not an object", "unknown question", "row without its vote"])
+def test_a_replay_of_a_damaged_run_ends_in_one_line(damage, line, finished_run, tmp_path, monkeypatch):
+    run = copy_run(finished_run, tmp_path / "run")
+    damage(run)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(finished_run.parent.parent / "data"))
+    with pytest.raises(SystemExit) as stop:
+        study.main(["--replay", str(run)])
+    message = str(stop.value.code)
+    assert message.startswith("error: ") and "\n" not in message and re.search(line, message), message
 
 
 def study_row(qid, gold, answers, v, level=None):
