@@ -255,9 +255,12 @@ def resumed_config(given: dict) -> Config:
     except (ValueError, TypeError, AttributeError) as err:  # AttributeError: not a JSON object
         raise OptionError(f"{path}: damaged ({err}); restore it from a copy, or start a new "
                           f"run") from None
-    for key in saved.keys() - names:  # an option this t3rl does not have (a typo, an older run)
+    for key in sorted(saved.keys() - names):  # not an option of this t3rl: a typo, an older run's
         print(f"[t3rl] --resume: {path} sets {key}, not an option of this t3rl; ignored",
               file=sys.stderr)
+    for key in sorted(names - saved.keys()):  # an option newer than the run
+        print(f"[t3rl] --resume: {path} has no {key}; it takes {getattr(cfg, key)!r}, Config's "
+              f"default", file=sys.stderr)
     try:
         check_config(cfg)
     except OptionError as err:

@@ -13,7 +13,8 @@ eps = 0.2, c = 3 (verl's dual clip), beta = --kl-coef (verl's low_var_kl; the pa
 --loss-agg (docs/grpo.md: verl's and TRL's, each with its source's file and line). A step's groups
 are cut into mini-batches of Q questions (--mini-batch-questions), one AdamW step each; pi_old is
 fixed before the first, so from the second on the clip can bind. Micro-batches accumulate the exact
-mini-batch gradient. Weights stay float32 under bfloat16 autocast: 5e-7 is below bfloat16's
+gradient of L as AGG defines it (token-mean and seq-mean-token-sum-norm, as verl's, per micro-batch:
+they depend on the cut). Weights stay float32 under bfloat16 autocast: 5e-7 is below bfloat16's
 resolution near 1. `python -m bench.grpo` times one update.
 
     optimizer, scheduler = make_optimization(model, cfg, total_steps=len(batches))

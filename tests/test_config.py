@@ -324,11 +324,17 @@ NEEDS_A_MODEL = [
 ]
 
 
-def test_a_resumed_config_json_key_that_is_no_option_is_named_and_ignored(finished_run, tmp_path, capsys):
-    """A typo in a config.json edited by hand (n_vote) is not silently dropped: a line names it."""
+def test_a_resumed_config_json_key_that_is_no_option_or_a_missing_one_is_named(finished_run, tmp_path, capsys):
+    """A typo in a config.json edited by hand (n_vote) is not silently dropped, nor an option it lacks
+    silently given its default: a line names each."""
     run = edit_config(copy_run(finished_run, tmp_path / "run", final=False), n_vote=64)
+    saved = json.loads((run / "config.json").read_text())
+    del saved["omega"]
+    (run / "config.json").write_text(json.dumps(saved))
     cfg = parse_config(["--resume", str(run)])
-    assert cfg.n_votes == 4 and f"{run / 'config.json'} sets n_vote, not an option of this t3rl; ignored" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert cfg.n_votes == 4 and f"{run / 'config.json'} sets n_vote, not an option of this t3rl; ignored" in err
+    assert cfg.omega == 5.0 and f"{run / 'config.json'} has no omega; it takes 5.0, Config's default" in err
 
 
 @pytest.mark.parametrize("name,make_argv,line", BAD_INPUTS + NEEDS_A_MODEL, ids=[c[0] for c in BAD_INPUTS + NEEDS_A_MODEL])
