@@ -355,7 +355,9 @@ def sample_next(logits, temperature: float, top_p: float, uniforms, scratch=None
     if top_p < 1:
         probs, ids = nucleus(probs, top_p)
     cdf = probs.cumsum(-1)
-    choice = torch.searchsorted(cdf, uniforms[:, None] * cdf[:, -1:])
+    # u = 0 (torch.rand draws it, 2^-24 of the time) must not pick a leading token of probability 0
+    drawn = (uniforms[:, None] * cdf[:, -1:]).clamp_(min=torch.finfo(torch.float32).tiny)
+    choice = torch.searchsorted(cdf, drawn)
     return choice.squeeze(-1) if ids is None else ids.gather(-1, choice).squeeze(-1)
 
 

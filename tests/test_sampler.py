@@ -111,6 +111,14 @@ def test_greedy_sampling_takes_the_argmax():
     assert sample_next(logits, 0, 0.95, None).tolist() == [1, 0]
 
 
+def test_a_uniform_of_zero_never_draws_a_token_of_probability_zero():
+    """torch.rand draws exactly 0 once in 2^24: the inverse CDF must then take the first token that has
+    probability, not token 0 (-inf, or underflowed at a low temperature: a -inf log-prob for GRPO)."""
+    logits = torch.tensor([[-float("inf"), 1.0, 2.0], [-200.0, 1.0, 2.0]])
+    assert sample_next(logits, 1.0, 1.0, torch.zeros(2), torch.empty_like(logits)).tolist() == [1, 1]
+    assert sample_next(logits, 0.01, 1.0, torch.zeros(2), torch.empty_like(logits)).tolist() == [2, 2]
+
+
 def test_same_seed_repeats_a_call():
     model = small_vocab_model()
     first = sample(model, None, SMALL_PROMPTS, n=4, max_new_tokens=8, seed=7)
