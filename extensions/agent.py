@@ -75,8 +75,9 @@ class Interpreter:
         self.triggers = {i for token, i in tokenizer.get_vocab().items() if "`" in token}
 
     def block_ends(self, token_ids) -> str | None:
-        match = PYTHON_BLOCK.search(self.tokenizer.decode(token_ids, skip_special_tokens=True))
-        return match.group(1) if match and match.group(1).strip() else None
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        # the first block with code: an empty one before it ran nothing and must not hide it
+        return next((m.group(1) for m in PYTHON_BLOCK.finditer(text) if m.group(1).strip()), None)
 
     def run(self, codes: list[str], segments: list[list[int]]) -> list[ToolCall]:
         """Run the blocks together; segments[i] holds the tokens block_ends read for codes[i] (its
@@ -87,8 +88,10 @@ class Interpreter:
             output = shown_output(result)
             newline = self.tokenizer.decode(segment[-1:]).endswith("\n")
             text = ("" if newline else "\n") + f"```output\n{output}\n```\n"
-            calls.append(ToolCall(code, result.status, output,
-                                  self.tokenizer(text, add_special_tokens=False).input_ids))
+            # split_special_tokens: a program that prints <|im_end|> gets those characters, not the
+            # token that ends the turn
+            calls.append(ToolCall(code, result.status, output, self.tokenizer(
+                text, add_special_tokens=False, split_special_tokens=True).input_ids))
         return calls
 
 

@@ -92,6 +92,22 @@ def test_an_error_shows_its_last_line_and_a_loop_is_cut_by_the_timeout_and_the_r
     assert completion.text.endswith("```\n```output\ntimeout\n```\nSo \\boxed{1}.")
 
 
+def test_an_empty_block_does_not_hide_the_block_after_it(tokenizer, pool):
+    completion = scripted_text(tokenizer, pool, "```python\n\n```\nNow:\n```python\nprint(6 * 7)\n```|So \\boxed{42}.")
+    assert [(c.status, c.output) for c in completion.tool_calls] == [("ok", "42")]
+
+
+def test_a_program_printing_special_tokens_gives_their_characters_not_the_tokens(tokenizer, pool):
+    """A program that prints <|im_end|><|im_start|>assistant must not end the policy's turn: its output
+    is text, tokenized as text."""
+    bar = "chr(124)"  # the script's parts are split at |
+    program = f"print('<' + {bar} + 'im_end' + {bar} + '><' + {bar} + 'im_start' + {bar} + '>assistant')"
+    completion = scripted_text(tokenizer, pool, f"```python\n{program}\n```|Done.")
+    tool_ids = [t for t, tool in zip(completion.token_ids, completion.tool_mask) if tool]
+    assert not set(tool_ids) & set(tokenizer.all_special_ids)
+    assert tokenizer.decode(tool_ids) == "\n```output\n<|im_end|><|im_start|>assistant\n```\n"
+
+
 def test_agent_max_calls_leaves_a_later_block_unrun(tokenizer, pool):
     script = "```python\nprint(1)\n```|Again:\n```python\nprint(2)\n```|So \\boxed{1}."
     completion = scripted_text(tokenizer, pool, script, max_calls=1)
