@@ -237,11 +237,16 @@ def _braced(text, start):
     return None
 
 
-def answer_region(text):
-    """Where a rollout states its answer: its \\boxed{...} contents (joined), else what follows its
-    last "conclusion" / "final answer" / "the answer is" / "answer:", else None."""
+def answer_region(text, names):
+    """Where a rollout states its answer: its \\boxed{...} contents (joined; those that name one of
+    the puzzle's `names`, when some do: a copy of the instruction's \\boxed{Name: knight, ...} is
+    no answer), else what follows its last "conclusion" / "final answer" / "the answer is" /
+    "answer:", else None."""
     boxes = [_braced(text, m.end() - 1) for m in _BOX.finditer(text)]
     boxes = [b for b in boxes if b]
+    naming = [b for b in boxes if any(re.search(rf"\b{re.escape(n)}\b", b, re.IGNORECASE)
+                                      for n in names)]
+    boxes = naming or boxes
     if boxes:
         return "\n".join(boxes)
     markers = list(_MARKER.finditer(text))
@@ -251,32 +256,39 @@ def answer_region(text):
 def read_roles(region, names):
     """name -> bool from an answer region; None when it names somebody unknown. Name-first claims
     ("Zoey is a knight", "Zoey and Ethan are knights", "Zoey: knight") and headers ("Knights: Zoey,
-    Ethan") are read; a header lasts until the end of its sentence, line or clause; a later claim
-    about a person wins."""
+    Ethan") are read, names in any case; a header lasts until the end of its sentence, line or
+    clause; a later claim about a person wins, and a person given both roles in one clause ("could
+    be a knight or a knave") has none."""
     region = _LATEX_TEXT.sub(r"\1", region).replace("\\\\", "\n").replace("$", " ")
-    claimed = re.findall(r"\b([A-Z][a-z]+)\s*(?:is\s+(?:not\s+)?(?:an?|the)\s+|[:=-]\s*)"
-                         r"(?i:knight|knave)", region)
-    if any(name not in names and name not in _NOT_NAMES for name in claimed):
+    claimed = re.findall(r"\b([A-Z][a-z]+)\s*(?:(?:is|was)\s+(?:also\s+|not\s+)*(?:an?|the)\s+"
+                         r"|[:=-]\s*)(?i:knight|knave)", region)
+    known = {name.lower(): name for name in names}
+    if any(name.lower() not in known and name not in _NOT_NAMES for name in claimed):
         return None
     token = re.compile("(?P<name>" + "|".join(rf"\b{re.escape(n)}\b" for n in names) + ")|" + _ROLE
-                       + r"|(?P<stop>[.;\n])")
-    roles, pending, header, order = {}, [], None, []
+                       + r"|(?P<stop>[.;\n])", re.IGNORECASE)
+    roles, pending, header, order, last = {}, [], None, [], []
     for m in token.finditer(region):
         if m.group("name"):
+            name = known[m.group("name").lower()]
             if header is None:
-                pending.append(m.group("name"))
+                pending.append(name)
             else:
-                roles[m.group("name")] = header
+                roles[name] = header
         elif m.group("role"):
             knight = (m.group("role").lower() == "knight") != bool(m.group("not"))
             order.append(knight)
             if m.group("header") and not pending:
                 header = knight
-            else:
+            elif pending:
                 roles.update({name: knight for name in pending})
-                pending, header = [], None
+                pending, header, last = [], None, pending
+            else:
+                header = None
+                if any(roles[name] != knight for name in last):  # "a knight or a knave": no role
+                    roles.update({name: None for name in last})
         else:
-            header = None
+            header, last = None, []
     # a bare list of roles, in the puzzle's order
     if not roles and not pending and len(order) == len(names):
         roles = dict(zip(names, order))
@@ -287,9 +299,9 @@ def extract_answer(text, problem):
     """The canonical assignment a rollout gives for the puzzle, or None (no answer region, a person
     missing, or somebody named who is not in the puzzle)."""
     names = puzzle_names(problem)
-    region = answer_region(text or "") if names else None
+    region = answer_region(text or "", names) if names else None
     roles = read_roles(region, names) if region is not None else None
-    if not roles or any(name not in roles for name in names):
+    if not roles or any(roles.get(name) is None for name in names):
         return None
     return canonical(names, roles)
 

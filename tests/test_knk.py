@@ -87,6 +87,10 @@ GOLD_4 = "Zoey: knight, Ethan: knight, Michael: knave, Samuel: knave"
     "\\boxed{knight, knight, knave, knave}",
     "Suppose Zoey is a knave; then ... contradiction. \\boxed{Zoey - Knight, Ethan - Knight, Michael - Knave, "
     "Samuel - Knave}",
+    # the instruction's form copied before the answer, and names in lower case
+    "In the form \\boxed{Name: knight, Name: knave, ...}: \\boxed{Zoey: knight, Ethan: knight, Michael: knave, "
+    "Samuel: knave}",
+    "\\boxed{samuel: knave, zoey: knight, michael: knave, ethan: knight}",
 ])
 def test_knk_answer_spellings_read_as_the_canonical_assignment(text):
     assert knk.extract_answer(text, KNK_4["problem"]) == GOLD_4 == KNK_4["answer"]
@@ -98,6 +102,8 @@ def test_knk_answer_spellings_read_as_the_canonical_assignment(text):
     "\\boxed{Zoe is a knight, Ethan is a knight, Michael is a knave, Samuel is a knave}",  # misspelt
     "Suppose Zoey is a knight, Ethan is a knight, Michael is a knave and Samuel is a knave.",  # no answer stated
     "\\boxed{knight, knave}",                                                          # two roles for four
+    "\\boxed{Zoey: knight, Ethan: knight, Michael: knave, Samuel: could be a knight or a knave}",  # hedged
+    "\\boxed{Zoey: knight, Ethan: knight, Michael: knave, Samuel: knave, and Mia is also a knave}",  # Mia is not there
 ])
 def test_knk_unknown_name_or_missing_person_gives_no_answer(text):
     assert knk.extract_answer(text, KNK_4["problem"]) is None
