@@ -253,10 +253,10 @@ def summary(run_dir: Path) -> str:
     rows = read_jsonl_rows(run_dir / "metrics.jsonl")
     train_rows = [r for r in rows if r["kind"] == "train"]
     # "before" is the step-0 evaluation only: if metrics.jsonl lost it, the table says so instead
-    # of showing another
-    before = next((r for r in rows if r["kind"] == "eval" and r["step"] == 0
-                   and not r.get("final")), {})
+    # of showing another; a run that only evaluates (--episodes 0) has one, at step 0 and final
     after = next((r for r in reversed(rows) if r.get("final")), {})
+    before = next((r for r in rows if r["kind"] == "eval" and r["step"] == 0
+                   and not r.get("final")), after if after.get("step") == 0 else {})
     best = best_evals(rows)
     lines = [f"summary of {run_dir}"]
     k = next((key[4:] for key in after or before if re.fullmatch(r"avg@\d+", key)), None)

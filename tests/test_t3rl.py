@@ -263,6 +263,19 @@ def test_evaluations_cover_the_questions_the_run_reached(tiny_dir, tmp_path, mon
         metrics.summary(run)
 
 
+def test_a_run_that_only_evaluates_reports_its_evaluation_as_before_and_final(tiny_dir, tmp_path, monkeypatch,
+                                                                              patched):
+    """--episodes 0 (a baseline): its one evaluation is the run's before and its final, not a lost row."""
+    write_bench(tmp_path / "data", QUESTIONS)
+    monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
+    run = t3rl.train(parse_config(tiny_argv(tiny_dir, tmp_path / "out", episodes=0)))
+    [evaluation] = rows(run, "metrics.jsonl")
+    assert evaluation["step"] == 0 and evaluation["final"]
+    table = metrics.summary(run)
+    assert "'before' is unknown" not in table
+    assert f"{'greedy@1':<28}{evaluation['greedy@1']:>10.3f}{evaluation['greedy@1']:>10.3f}" in table
+
+
 def test_the_time_line_gives_each_phase_in_minutes_and_shares_of_the_wall():
     line = metrics.time_line({"load": 60.0, "evaluation": 120.0, "sample": 30.0, "verify": 30.0,
                               "update": 150.0, "wall": 420.0})
