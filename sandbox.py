@@ -13,7 +13,7 @@ What is covered (isolation "root" or "userns"; `pool.report` says what is active
   HOME, working and temp folders are hidden; each program gets a fresh folder on a private tmpfs
 - secrets and network: an empty environment, its own /proc, an empty network namespace
 - leftovers: whatever the program spawned is killed and reaped before its result is returned, its
-  folder and its System V shared memory (own IPC namespace) removed
+  folder and its System V shared memory, queues and semaphores (the worker's IPC namespace) removed
 
 What is not covered:
 - kernel exploits and hardware side channels (the program shares the kernel)

@@ -59,7 +59,7 @@ SCRATCH = "/tmp/sandbox"     # in the worker's private /tmp: a tmpfs that holds 
 
 CLONE_NEWNS, CLONE_NEWIPC, CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = (
     0x00020000, 0x08000000, 0x10000000, 0x20000000, 0x40000000)
-MNT_DETACH = 2
+MNT_DETACH, IPC_RMID = 2, 0
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
 MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 1024, 2048, 4096, 16384
 MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
@@ -203,8 +203,6 @@ def _lock_down(cfg, folder, request_r, out_w, err_w, status_w):
     """Make this process the snippet's: own session, pipes on fds 0-4, privileges dropped, limits
     set, an empty environment in its own folder."""
     os.setsid()
-    if cfg["mode"] != "none":  # System V shared memory it leaves goes with it, not to the next one
-        _unshare(CLONE_NEWIPC)
     stdin = os.open("/dev/null", os.O_RDONLY)
     # lift the pipes above 4 first, so that no dup2 below overwrites one it still needs
     lifted = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
@@ -538,15 +536,33 @@ def _run(snippet, request, cfg):
 
 def _discard_snippet(snippet, cfg):
     """After the reply: reap the snippet process, close the pipes, remove the folder (and all else
-    written: a fresh tmpfs replaces the one it wrote in, however deep it nested its folders)."""
+    written)."""
     _reap_all(snippet.pid, cfg["mode"] != "none")
     for fd in (snippet.out_r, snippet.err_r, snippet.status_r, snippet.pidfd):
         os.close(fd)
     if cfg["mode"] != "none":
-        _umount(SCRATCH)
-        _mount_scratch()
-    else:
-        _remove_tree(snippet.folder)
+        _remove_ipc()
+    try:
+        _empty_folder(SCRATCH) if cfg["mode"] != "none" else _remove_tree(snippet.folder)
+    except RecursionError:  # folders nested past Python's recursion limit (shutil.rmtree recurses)
+        if cfg["mode"] != "none":  # a fresh tmpfs (not every time: an unmount waits milliseconds)
+            _umount(SCRATCH)
+            _mount_scratch()
+        else:
+            subprocess.run(["rm", "-rf", "--", snippet.folder], check=False)
+
+
+def _remove_ipc():
+    """The System V shared memory, message queues and semaphores a snippet left in the worker's IPC
+    namespace: they outlive their processes (memory no limit counts, a channel to the next one)."""
+    for kind in ("shm", "msg", "sem"):
+        with open(f"/proc/sysvipc/{kind}") as f:
+            ids = [int(line.split()[1]) for line in f.read().splitlines()[1:] if line.strip()]
+        for ident in ids:
+            if kind == "sem":
+                _libc.semctl(ident, 0, IPC_RMID)
+            else:
+                getattr(_libc, f"{kind}ctl")(ident, IPC_RMID, None)
 
 
 def _remove_tree(path):
@@ -554,10 +570,13 @@ def _remove_tree(path):
         os.chmod(os.path.dirname(failed), 0o700)
         os.chmod(failed, 0o700)
         func(failed) if func is not os.rmdir else shutil.rmtree(failed, onerror=make_writable)
-    try:
-        shutil.rmtree(path, onerror=make_writable)
-    except RecursionError:  # folders nested past Python's recursion limit: rm does not recurse
-        subprocess.run(["rm", "-rf", "--", path], check=False)
+    shutil.rmtree(path, onerror=make_writable)
+
+
+def _empty_folder(folder):
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        _remove_tree(path) if os.path.isdir(path) and not os.path.islink(path) else os.unlink(path)
 
 
 def _worker(cfg, sock):
@@ -623,7 +642,8 @@ def _remove_stale_cgroups(base):
 
 def _enter_namespaces(mode):
     """Unshare in the launcher; the next child is pid 1 of a new pid namespace."""
-    flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET
+    # IPC: System V objects its snippets make stay off the host (_remove_ipc clears them after each)
+    flags = CLONE_NEWNS | CLONE_NEWIPC | CLONE_NEWPID | CLONE_NEWNET
     if mode == "userns":
         uid, gid = os.geteuid(), os.getegid()
         _unshare(flags | CLONE_NEWUSER)
