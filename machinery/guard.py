@@ -11,7 +11,9 @@ through every assignment to them (tuple unpacking position by position, loops, a
 walrus), and the program's own functions through their returns. Arithmetic carries it only where it
 keeps the value (1320 * 1, 1320 + 0; not len(s) // 2 for the answer 2), and control flow does not
 carry it (`if x == 1320: print(x)` is a check, not a copy); a literal in a branch that computed
-control flow picks (`print(2) if disc > 0 else print(0)`) is a choice, not a copy. A Python program
+control flow picks (`print(2) if disc > 0 else print(0)`) is a choice, not a copy, and so is a count:
+an augmented assignment a loop repeats, a filtered comprehension's element (sum(1 for ... if ...)),
+range's bounds, round's digits, and the 0 or 1 that a name updated from itself starts at. A Python program
 whose printed result matches the candidate is refused when a print(...) that can come last shows a
 tainted value, or the answer as a bare constant (a literal through names bound once and conversions:
 `x = 2; print(x)`), which computes nothing even when the problem gives the number. Recomputations
@@ -100,10 +102,15 @@ def chosen_nodes(tree) -> set:
             chosen.update(id(child) for child in ast.walk(node))
 
     for node in ast.walk(tree):
+        if isinstance(node, (ast.For, ast.While)):  # `count += 1` repeated: a count, not a copy
+            mark([n for n in ast.walk(node) if isinstance(n, ast.AugAssign)])
+        if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp)) and \
+                any(c.ifs for c in node.generators):  # sum(1 for p in ... if ...): a count
+            mark([node.elt])
         test = (node.test if isinstance(node, (ast.If, ast.IfExp))
                 else node.subject if isinstance(node, ast.Match) else None)
-        if test is None or not any(isinstance(n, (ast.Name, ast.Call, ast.Attribute))
-                                   for n in ast.walk(test)):
+        if test is None or _MAIN_TEST.fullmatch(ast.unparse(test)) or \
+                not any(isinstance(n, (ast.Name, ast.Call, ast.Attribute)) for n in ast.walk(test)):
             continue
         if isinstance(node, ast.IfExp):
             mark([node.body, node.orelse])
@@ -115,6 +122,10 @@ def chosen_nodes(tree) -> set:
 
 
 _PROBLEM_NUMBER = re.compile(r"\d+(?:\.\d+)?")
+# `if __name__ == '__main__':` reads a name but picks nothing: the program runs its body
+_MAIN_TEST = re.compile(r"""__name__ == (['"])__main__\1""")
+# calls whose arguments are no value they return: range's bounds, len's sequence
+_NEW_VALUES = {"range", "len"}
 _EXACT_CALLS = {"Fraction", "Rational"}
 # calls that keep a single argument's value: print(int(2)) prints the constant 2
 _CONVERSIONS = {"int", "float", "str", "abs", "round", "Fraction", "Integer", "Rational", "Float",
@@ -144,12 +155,25 @@ class _Taint:
         self.problem = problem
         self.answer_key, self.answer_value = answer_key(answer), _value(answer)
         self.bindings, self.returns, self.chosen = {}, {}, chosen_nodes(tree)
+        self.updated = set()  # names an assignment computes from themselves (x += 1, x = x * 2)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 self.returns[node.name] = [r.value for r in ast.walk(node)
                                            if isinstance(r, ast.Return) and r.value]
             for target, value in _assignments(node):
                 self.bindings.setdefault(target, []).append(value)
+                if isinstance(node, ast.AugAssign) or any(
+                        isinstance(n, ast.Name) and n.id == target for n in ast.walk(value)):
+                    self.updated.add(target)
+
+    def _literal(self, node):
+        """The constant a node spells: a literal, or a negative number (-5 parses as -(5))."""
+        if isinstance(node, ast.Constant):
+            return node
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and \
+                isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+            return ast.Constant(-node.operand.value)
+        return None
 
     def _is_answer(self, constant):
         if isinstance(constant.value, str):
@@ -167,7 +191,7 @@ class _Taint:
                 and self.answer_value is not None and id(node) not in self.chosen
                 and _callee(node) in _EXACT_CALLS):
             return False
-        parts = [a.value for a in node.args if isinstance(a, ast.Constant) and type(a.value) is int]
+        parts = [c.value for c in map(self._literal, node.args) if c and type(c.value) is int]
         return parts == [self.answer_value.numerator, self.answer_value.denominator] and \
             not {Fraction(p) for p in parts} <= self.numbers
 
@@ -184,8 +208,12 @@ class _Taint:
     def constant(self, node, seen=frozenset()):
         """Is the node the answer as a bare constant: a literal worth it, through names bound once
         (a second binding is control flow choosing a value) and value-keeping conversions?"""
-        if isinstance(node, ast.Constant):
-            return self._is_answer(node) and id(node) not in self.chosen
+        literal = self._literal(node)
+        if literal is not None:
+            return self._is_answer(literal) and id(node) not in self.chosen
+        if isinstance(node, ast.JoinedStr) and len(node.values) == 1 and \
+                isinstance(node.values[0], ast.FormattedValue) and not node.values[0].format_spec:
+            return self.constant(node.values[0].value, seen)  # f'{55}'
         if isinstance(node, ast.Name) and node.id not in seen:
             bound = self.bindings.get(node.id, [])
             return len(bound) == 1 and self.constant(bound[0], seen | {node.id})
@@ -194,17 +222,24 @@ class _Taint:
         return False
 
     def carries(self, node, seen=frozenset()):
-        if isinstance(node, ast.Constant):
-            return (self._is_answer(node) and not self._supplied(node)
+        literal = self._literal(node)
+        if literal is not None and (isinstance(node, ast.Constant) or self._is_answer(literal)):
+            return (self._is_answer(literal) and not self._supplied(literal)
                     and id(node) not in self.chosen)
         if self._is_answer_fraction(node):
             return True
         if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id not in seen:
-            return any(self.carries(v, seen | {node.id}) for v in self.bindings.get(node.id, []))
+            # a name updated from itself starts at 0 or 1 (count = 0; count += 1): no copy
+            return any(self.carries(v, seen | {node.id}) for v in self.bindings.get(node.id, [])
+                       if not (node.id in self.updated and _is_zero_or_one(v)))
         if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
                 and node.func.id in self.returns and node.func.id not in seen:
             if any(self.carries(v, seen | {node.func.id}) for v in self.returns[node.func.id]):
                 return True
+        if isinstance(node, ast.Call) and _callee(node) in _NEW_VALUES:
+            return False
+        if isinstance(node, ast.Call) and _callee(node) in _CONVERSIONS and node.args:
+            return self.carries(node.args[0], seen)  # round(x, 2): the digits are no value
         # 1320 * 1 and 1320 + 0 keep the value; len(s) // 2 makes a new one
         if isinstance(node, ast.BinOp):
             return (self.carries(node.left, seen) and _identity(node.op, node.right)) or \
@@ -213,6 +248,11 @@ class _Taint:
             return self.carries(node.value, seen)
         return any(self.carries(child, seen) for child in ast.iter_child_nodes(node)
                    if not isinstance(child, (ast.expr_context, ast.FunctionDef, ast.Lambda)))
+
+
+def _is_zero_or_one(node):
+    return isinstance(node, ast.Constant) and type(node.value) in (int, float) and \
+        node.value in (0, 1)
 
 
 def _identity(op, other, right_side=True):

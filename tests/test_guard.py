@@ -57,3 +57,27 @@ def test_a_value_computed_control_flow_picks_is_no_copy_whichever_branch_prints(
     assert hardcoded(copied, "Find the number of ways.", "1320")
     assert hardcoded("if True:\n    print(1320)", "Find the number of ways.", "1320")
     assert hardcoded("def main():\n    print(1320)\n\nmain()", "Find the number of ways.", "1320")
+
+
+def test_counters_accumulators_and_search_bounds_are_no_copy_of_a_small_answer():
+    """0, 1 and 2 come naturally as a counter's start, a loop's bound or round's digits: a program that
+    computes 0, 1 or 2 that way is no copy (each was refused, so a right answer of 0 or 1 lost its v)."""
+    assert not hardcoded("result = 1\nfor _ in range(100):\n    result = (result * 2) % 3\nprint(result)",
+                         "What is the remainder when 2^100 is divided by 3?", "1")
+    assert not hardcoded("count = 0\nfor x in range(-100, 100):\n    if x * x + 5 == 3:\n        count += 1\n"
+                         "print(count)", "How many integers x satisfy x^2 + 5 = 3?", "0")
+    assert not hardcoded("from sympy import primerange, isprime\n"
+                         "print(sum(1 for p in primerange(2, 1000) if isprime(p**2 + 2)))",
+                         "How many primes p make p^2 + 2 prime?", "1")
+    assert not hardcoded("for n in range(1, 100):\n    if n * n == n:\n        print(n)\n        break",
+                         "What is the least positive n with n^2 = n?", "1")
+    assert not hardcoded("x = 2.004\nprint(round(x, 2))", "Round two and four thousandths to hundredths.", "2")
+
+
+def test_negative_answers_main_blocks_and_f_strings_are_copies_too():
+    problem = "Find the value."
+    for code, answer in [("print(-5)", "-5"), ("x = -5\nprint(x)", "-5"), ("print(-0.75)", "-\\frac34"),
+                         ("from fractions import Fraction\nprint(Fraction(-3, 7))", "-\\frac{3}{7}"),
+                         ("if __name__ == '__main__':\n    ans = 55\n    print(ans)", "55")]:
+        assert hardcoded(code, problem, answer), code
+    assert hardcoded("print(f'{55}')", "There are 55 cats.", "55")  # a bare constant, though the problem gives it
