@@ -32,7 +32,8 @@ from pathlib import Path
 
 import torch
 from huggingface_hub import snapshot_download
-from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+from huggingface_hub.errors import (HFValidationError, LocalEntryNotFoundError,
+                                    RepositoryNotFoundError)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from machinery.runs import replacing
@@ -255,6 +256,10 @@ def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES)
         if files is HUB_CHECKPOINT_FILES and not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(spec, allow_patterns=[*files, "*.bin"]))
         return folder
+    except HFValidationError as err:  # 'owner/', 'Qwen/Qwen2.5 Math', 'a--b/c'
+        reason = str(err).strip().splitlines()[0]
+        raise ModelLoadError(f"{option} {spec}: not a valid Hub id ({reason}); pass owner/name as "
+                             f"the Hub spells it, a folder or a .gguf file") from None
     except RepositoryNotFoundError:
         # also a gated or private repository without a token that may read it
         raise ModelLoadError(f"{option} {spec}: the Hub has no such model, or it is gated or "

@@ -299,6 +299,8 @@ BAD_INPUTS = [
     ("resume with every checkpoint damaged", lambda c: damage_checkpoints(run_copy(c, final=False)),
      r"--resume .*/run: checkpoint/state.pt is damaged \(\w+\); checkpoint.old/state.pt is damaged \(\w+\); no checkpoint "
      r"to resume from \(nothing was changed\)"),
+    ("model not a Hub id", lambda c: argv_for(c, model="Qwen/Qwen2.5 Math"), r"--model Qwen/Qwen2.5 Math: not a valid Hub "
+                                                                                r"id \(.*\); pass owner/name"),
     ("n-votes past int64", lambda c: argv_for(c, n_votes=10**30), r"--n-votes 10{30}: must be in \[1, inf\)"),
     ("run-name too long", lambda c: argv_for(c, run_name="x" * 300), r"--run-name x{40}\.\.\.: 300 bytes long; pass a name of at "
                                                                      r"most 200"),
