@@ -265,9 +265,11 @@ def read_roles(region, names):
     known = {name.lower(): name for name in names}
     if any(name.lower() not in known and name not in _NOT_NAMES for name in claimed):
         return None
-    token = re.compile("(?P<name>" + "|".join(rf"\b{re.escape(n)}\b" for n in names) + ")|" + _ROLE
-                       + r"|(?P<stop>[.;\n])", re.IGNORECASE)
-    roles, pending, header, order, last = {}, [], None, [], []
+    spelled = "|".join(rf"\b{re.escape(n)}\b" for n in names)
+    # names in lower case only when the region spells none as the puzzle does: "will" is a word
+    any_case = re.IGNORECASE if not re.search(spelled, region) else 0
+    token = re.compile("(?P<name>" + spelled + ")|" + _ROLE + r"|(?P<stop>[.;\n])", any_case)
+    roles, pending, header, order, last, last_end = {}, [], None, [], [], 0
     for m in token.finditer(region):
         if m.group("name"):
             name = known[m.group("name").lower()]
@@ -282,10 +284,12 @@ def read_roles(region, names):
                 header = knight
             elif pending:
                 roles.update({name: knight for name in pending})
-                pending, header, last = [], None, pending
+                pending, header, last, last_end = [], None, pending, m.end()
             else:
                 header = None
-                if any(roles[name] != knight for name in last):  # "a knight or a knave": no role
+                between = region[last_end:m.start()]
+                hedged = re.fullmatch(r"\s*,?\s*or\s+(?:an?\s+|the\s+)?", between)
+                if hedged and any(roles[name] != knight for name in last):  # "a knight or a knave"
                     roles.update({name: None for name in last})
         else:
             header, last = None, []
@@ -297,7 +301,7 @@ def read_roles(region, names):
 
 def extract_answer(text, problem):
     """The canonical assignment a rollout gives for the puzzle, or None (no answer region, a person
-    missing, or somebody named who is not in the puzzle)."""
+    missing or given both roles, or somebody named who is not in the puzzle)."""
     names = puzzle_names(problem)
     region = answer_region(text or "", names) if names else None
     roles = read_roles(region, names) if region is not None else None

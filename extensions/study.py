@@ -504,7 +504,8 @@ def replay(run_dir: Path, omegas: list[float]) -> str:
     gold = {r["id"]: r["answer"] for r in load_bench(cfg["bench"])}
     groups = {}
     for lineno, r in jsonl_objects(run_dir / "rollouts.jsonl", torn_tail_ok=True):
-        if r.get("id") not in gold or not {"step", "answer", "v", "status"} <= r.keys():
+        if not isinstance(r.get("id"), str) or r["id"] not in gold \
+                or not {"step", "answer", "v", "status"} <= r.keys():
             raise DataError(f"{run_dir / 'rollouts.jsonl'}:{lineno}: not a rollout of --bench "
                             f"{cfg['bench']} (its id, step, answer, v and status); replay the "
                             f"folder of a run on that benchmark, or fix or delete that line")

@@ -11,14 +11,14 @@ through every assignment to them (tuple unpacking position by position, loops, a
 walrus), and the program's own functions through their returns. Arithmetic carries it only where it
 keeps the value (1320 * 1, 1320 + 0; not len(s) // 2 for the answer 2), and control flow does not
 carry it (`if x == 1320: print(x)` is a check, not a copy); a literal in a branch that computed
-control flow picks (`print(2) if disc > 0 else print(0)`) is a choice, not a copy, and so is a count:
-an augmented assignment a loop repeats, a filtered comprehension's element (sum(1 for ... if ...)),
-range's bounds, round's digits, and the 0 or 1 that a name updated from itself starts at. A Python program
-whose printed result matches the candidate is refused when a print(...) that can come last shows a
-tainted value, or the answer as a bare constant (a literal through names bound once and conversions:
-`x = 2; print(x)`), which computes nothing even when the problem gives the number. Recomputations
-from the problem's numbers stay clean: print(11 * 120) when the problem gives 11 and 120,
-print(math.comb(12, 3)).
+control flow picks (`print(2) if disc > 0 else print(0)`) is a choice, not a copy, and so is a
+count: `count += 1` in a loop, a computed filter's element (sum(1 for p in ... if isprime(p))),
+range's start, round's digits, and the 0 or 1 that a name updated from itself starts at. A Python
+program whose printed result matches the candidate is refused when a print(...) that can come last
+shows a tainted value, or the answer as a bare constant (a literal through names bound once and
+conversions: `x = 2; print(x)`), which computes nothing even when the problem gives the number.
+Recomputations from the problem's numbers stay clean: print(11 * 120) when the problem gives 11 and
+120, print(math.comb(12, 3)).
 
 hardcoded(code, problem, answer) is what verify_batch asks (through the math Domain) of every
 program whose printed result matches the rollout's answer.
@@ -103,14 +103,14 @@ def chosen_nodes(tree) -> set:
 
     for node in ast.walk(tree):
         if isinstance(node, (ast.For, ast.While)):  # `count += 1` repeated: a count, not a copy
-            mark([n for n in ast.walk(node) if isinstance(n, ast.AugAssign)])
+            mark([n for n in ast.walk(node)
+                  if isinstance(n, ast.AugAssign) and _is_zero_or_one(n.value)])
         if isinstance(node, (ast.ListComp, ast.SetComp, ast.GeneratorExp)) and \
-                any(c.ifs for c in node.generators):  # sum(1 for p in ... if ...): a count
-            mark([node.elt])
+                any(_computed(test) for c in node.generators for test in c.ifs):
+            mark([node.elt])  # sum(1 for p in ... if isprime(p)): a count
         test = (node.test if isinstance(node, (ast.If, ast.IfExp))
                 else node.subject if isinstance(node, ast.Match) else None)
-        if test is None or _MAIN_TEST.fullmatch(ast.unparse(test)) or \
-                not any(isinstance(n, (ast.Name, ast.Call, ast.Attribute)) for n in ast.walk(test)):
+        if test is None or not _computed(test):
             continue
         if isinstance(node, ast.IfExp):
             mark([node.body, node.orelse])
@@ -122,10 +122,16 @@ def chosen_nodes(tree) -> set:
 
 
 _PROBLEM_NUMBER = re.compile(r"\d+(?:\.\d+)?")
-# `if __name__ == '__main__':` reads a name but picks nothing: the program runs its body
 _MAIN_TEST = re.compile(r"""__name__ == (['"])__main__\1""")
-# calls whose arguments are no value they return: range's bounds, len's sequence
-_NEW_VALUES = {"range", "len"}
+
+
+def _computed(test) -> bool:
+    """Whether a test reads something the program computes (a name, a call, an attribute); `if
+    __name__ == '__main__':` reads a name but picks nothing: the program runs its body."""
+    return not _MAIN_TEST.fullmatch(ast.unparse(test)) and \
+        any(isinstance(n, (ast.Name, ast.Call, ast.Attribute)) for n in ast.walk(test))
+
+
 _EXACT_CALLS = {"Fraction", "Rational"}
 # calls that keep a single argument's value: print(int(2)) prints the constant 2
 _CONVERSIONS = {"int", "float", "str", "abs", "round", "Fraction", "Integer", "Rational", "Float",
@@ -152,6 +158,7 @@ class _Taint:
     def __init__(self, tree, problem, answer):
         self.numbers = {Fraction(n) for n in
                         _PROBLEM_NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3})", "", problem))}
+        self.numbers |= {-n for n in self.numbers}  # "a = -7": the sign is text before the number
         self.problem = problem
         self.answer_key, self.answer_value = answer_key(answer), _value(answer)
         self.bindings, self.returns, self.chosen = {}, {}, chosen_nodes(tree)
@@ -236,8 +243,12 @@ class _Taint:
                 and node.func.id in self.returns and node.func.id not in seen:
             if any(self.carries(v, seen | {node.func.id}) for v in self.returns[node.func.id]):
                 return True
-        if isinstance(node, ast.Call) and _callee(node) in _NEW_VALUES:
-            return False
+        if isinstance(node, ast.Call) and _callee(node) == "len":  # a sequence's length is new,
+            return bool(node.args) and isinstance(node.args[0], ast.Call) and \
+                _callee(node.args[0]) == "range" and \
+                self.carries(node.args[0], seen)  # len(range(1320)) is range's bound
+        if isinstance(node, ast.Call) and _callee(node) == "range" and len(node.args) > 1:
+            return any(self.carries(a, seen) for a in node.args[1:])  # range(1, n) starts at 1
         if isinstance(node, ast.Call) and _callee(node) in _CONVERSIONS and node.args:
             return self.carries(node.args[0], seen)  # round(x, 2): the digits are no value
         # 1320 * 1 and 1320 + 0 keep the value; len(s) // 2 makes a new one

@@ -20,6 +20,7 @@ docs/usage.md#models.
 """
 import argparse
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import os
@@ -284,17 +285,30 @@ def _resolve(spec: str, option: str = "--model") -> Path | str:
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
         # the converted folder is named by the file's contents: another file of that name and size
-        # (a fine-tune in the same quantisation) is another model (hashing 1 GB: about a second)
-        with open(path, "rb") as fh:
-            digest = hashlib.file_digest(fh, "sha256").hexdigest()[:16]
+        # (a fine-tune in the same quantisation) is another model
+        digest = file_sha256(str(path.resolve()), *_stamp(path))[:16]
         with _locked(cache_dir() / "gguf.lock"):
             return _convert_gguf(path, cache_dir() / f"{path.stem}-{digest}")
     return path if path.is_dir() else spec
 
 
+def _stamp(path: Path) -> tuple:
+    stat = path.stat()
+    return stat.st_size, stat.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=16)
+def file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """A file's SHA-256, once per process for each (path, size, modification time): about a second
+    a GB."""
+    with open(path, "rb") as fh:
+        return hashlib.file_digest(fh, "sha256").hexdigest()
+
+
 def model_fingerprint(spec: str) -> str:
-    """What identifies a --model value's weights without reading them: its folder and each file's
-    name, size and modification time (a Hub snapshot's weights are named by their content hash)."""
+    """What identifies a --model value's weights: its folder (for a .gguf file, the converted folder
+    its contents name) and each file's name, size and modification time (a Hub snapshot's weights
+    are named by their content hash)."""
     source = _resolve(spec)
     folder = source if isinstance(source, Path) else hub_snapshot(spec)
     digest = hashlib.sha256(str(folder.resolve()).encode())

@@ -96,7 +96,7 @@ def open_run_dir(cfg) -> Path:
         return run_dir
     if run_started(run_dir):
         raise RunDirError(f"run folder {run_dir} already holds a run; continue it with --resume "
-                          f"{run_dir}, or pick another --run-name (or --out-dir)")
+                          f"{shlex.quote(str(run_dir))}, or pick another --run-name (or --out-dir)")
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
         write_atomically(run_dir / "config.json", json.dumps(asdict(cfg), indent=2))

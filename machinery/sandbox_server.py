@@ -556,8 +556,11 @@ def _remove_ipc():
     """The System V shared memory, message queues and semaphores a snippet left in the worker's IPC
     namespace: they outlive their processes (memory no limit counts, a channel to the next one)."""
     for kind in ("shm", "msg", "sem"):
-        with open(f"/proc/sysvipc/{kind}") as f:
-            ids = [int(line.split()[1]) for line in f.read().splitlines()[1:] if line.strip()]
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                ids = [int(line.split()[1]) for line in f.read().splitlines()[1:] if line.strip()]
+        except OSError:  # /proc hidden (the OS refused a new one): they go with the worker
+            return
         for ident in ids:
             if kind == "sem":
                 _libc.semctl(ident, 0, IPC_RMID)

@@ -72,6 +72,12 @@ def test_counters_accumulators_and_search_bounds_are_no_copy_of_a_small_answer()
     assert not hardcoded("for n in range(1, 100):\n    if n * n == n:\n        print(n)\n        break",
                          "What is the least positive n with n^2 = n?", "1")
     assert not hardcoded("x = 2.004\nprint(round(x, 2))", "Round two and four thousandths to hundredths.", "2")
+    assert not hardcoded("a = -7\nb = 3\nprint(min(a, b))", "Let a = -7 and b = 3. Compute min(a, b).", "-7")
+    # the same shapes with the answer itself copied in are copies
+    for code in ("x = 0\nfor _ in range(1):\n    x += 1320\nprint(x)", "x = 0\nwhile x < 1:\n    x += 1320\nprint(x)",
+                 "print(len(range(1320)))", "print(sum(1 for _ in range(1320)))",
+                 "print([1320 for _ in [0] if True][0])"):
+        assert hardcoded(code, "Find the number of ways.", "1320"), code
 
 
 def test_negative_answers_main_blocks_and_f_strings_are_copies_too():

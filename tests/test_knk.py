@@ -91,6 +91,8 @@ GOLD_4 = "Zoey: knight, Ethan: knight, Michael: knave, Samuel: knave"
     "In the form \\boxed{Name: knight, Name: knave, ...}: \\boxed{Zoey: knight, Ethan: knight, Michael: knave, "
     "Samuel: knave}",
     "\\boxed{samuel: knave, zoey: knight, michael: knave, ethan: knight}",
+    # a role word later in the clause is no hedge
+    "\\boxed{Zoey is a knight, since a knave would lie; Ethan: knight, Michael: knave, Samuel: knave}",
 ])
 def test_knk_answer_spellings_read_as_the_canonical_assignment(text):
     assert knk.extract_answer(text, KNK_4["problem"]) == GOLD_4 == KNK_4["answer"]
