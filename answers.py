@@ -53,23 +53,12 @@ _BOX_JOINER = re.compile(r"(?:\s|[,;.$~&]|\\[()\[\],;:! ]|\\q?quad\b|\\text\{[^{
 SHORT_RESPONSE_CHARS = 200
 
 
-def _braced(text, start):
-    """The content of the brace group opening at text[start] == '{', or None if it never closes."""
-    depth = 0
-    for i in range(start, len(text)):
-        if text[i] == "{":
-            depth += 1
-        elif text[i] == "}":
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i]
-    return None
-
-
-def _closing_braces(text):
-    """The index of each '{' -> the index of the '}' that closes it (unclosed ones are left out)."""
+def closing_braces(text, start=0):
+    """The index of each '{' from text[start] on -> the index of the '}' that closes it (unclosed
+    ones are left out): every brace group of the text in one pass (a group closes where it does
+    whatever came before it)."""
     closing, open_braces = {}, []
-    for i, c in enumerate(text):
+    for i, c in enumerate(text[start:], start):
         if c == "{":
             open_braces.append(i)
         elif c == "}" and open_braces:
@@ -80,8 +69,9 @@ def _closing_braces(text):
 def _boxes(text):
     """(start, end, content) of every closed, non-empty \boxed{...} / \fbox{...} / "\boxed 5",
     outermost only."""
-    found, closing = [], _closing_braces(text) if "{" in text else {}
-    for m in _BOX.finditer(text):
+    matches = list(_BOX.finditer(text))
+    found, closing = [], closing_braces(text, matches[0].start()) if matches else {}
+    for m in matches:
         if found and m.start() < found[-1][1]:
             continue  # a box inside the previous one
         if m.group(1):
@@ -214,7 +204,7 @@ def _strip_delimiters(s):
         s = re.sub(r"^\$+|\$+$", "", s).strip()
         s = re.sub(r"^\\\(|\\\)$|^\\\[|\\\]$", "", s).strip()
         m = re.match(r"^\\(?:boxed|fbox)\s*\{", s)
-        if m and _braced(s, m.end() - 1) == s[m.end():-1]:
+        if m and closing_braces(s, m.end() - 1).get(m.end() - 1) == len(s) - 1:
             s = s[m.end():-1]
         s = s.replace(r"\displaystyle", "")
         if s == before:

@@ -31,6 +31,7 @@ import os
 import random
 import re
 
+from answers import closing_braces
 from sandbox import default_pool
 from verifier import FENCE_ANY, Domain, ToolRun
 
@@ -228,21 +229,14 @@ def parse_assignment(answer):
     return {name: role.lower() == "knight" for name, role in _PAIR.findall(answer or "")}
 
 
-def _braced(text, start):
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start + 1:i]
-    return None
-
-
 def answer_region(text, names):
     """Where a rollout states its answer: its \\boxed{...} contents (joined; those that name one of
     the puzzle's `names`, when some do: a copy of the instruction's \\boxed{Name: knight, ...} is
     no answer), else what follows its last "conclusion" / "final answer" / "the answer is" /
     "answer:", else None."""
-    boxes = [_braced(text, m.end() - 1) for m in _BOX.finditer(text)]
+    matches = list(_BOX.finditer(text))
+    closing = closing_braces(text, matches[0].start()) if matches else {}
+    boxes = [text[m.end():closing[m.end() - 1]] for m in matches if m.end() - 1 in closing]
     boxes = [b for b in boxes if b]
     naming = [b for b in boxes if any(re.search(rf"\b{re.escape(n)}\b", b, re.IGNORECASE)
                                       for n in names)]
