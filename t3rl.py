@@ -22,7 +22,6 @@ import contextlib
 import functools
 import hashlib
 import random
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -454,8 +453,7 @@ def main(argv=None):
             raise SystemExit("interrupted") from None
         run_dir = runs.run_dir_of(cfg)
         raise SystemExit(f"interrupted: {run_dir} holds every step up to its last checkpoint; "
-                         f"continue with: python t3rl.py --resume "
-                         f"{shlex.quote(str(run_dir))}") from None
+                         f"continue with: {runs.resume_command(run_dir)}") from None
 
 
 if __name__ == "__main__":

@@ -173,15 +173,6 @@ class _Taint:
                         isinstance(n, ast.Name) and n.id == target for n in ast.walk(value)):
                     self.updated.add(target)
 
-    def _literal(self, node):
-        """The constant a node spells: a literal, or a negative number (-5 parses as -(5))."""
-        if isinstance(node, ast.Constant):
-            return node
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and \
-                isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
-            return ast.Constant(-node.operand.value)
-        return None
-
     def _is_answer(self, constant):
         if isinstance(constant.value, str):
             return answer_key(constant.value) == self.answer_key
@@ -198,7 +189,7 @@ class _Taint:
                 and self.answer_value is not None and id(node) not in self.chosen
                 and _callee(node) in _EXACT_CALLS):
             return False
-        parts = [c.value for c in map(self._literal, node.args) if c and type(c.value) is int]
+        parts = [c.value for c in map(_literal, node.args) if c and type(c.value) is int]
         return parts == [self.answer_value.numerator, self.answer_value.denominator] and \
             not {Fraction(p) for p in parts} <= self.numbers
 
@@ -215,7 +206,7 @@ class _Taint:
     def constant(self, node, seen=frozenset()):
         """Is the node the answer as a bare constant: a literal worth it, through names bound once
         (a second binding is control flow choosing a value) and value-keeping conversions?"""
-        literal = self._literal(node)
+        literal = _literal(node)
         if literal is not None:
             return self._is_answer(literal) and id(node) not in self.chosen
         if isinstance(node, ast.JoinedStr) and len(node.values) == 1 and \
@@ -229,7 +220,7 @@ class _Taint:
         return False
 
     def carries(self, node, seen=frozenset()):
-        literal = self._literal(node)
+        literal = _literal(node)
         if literal is not None and (isinstance(node, ast.Constant) or self._is_answer(literal)):
             return (self._is_answer(literal) and not self._supplied(literal)
                     and id(node) not in self.chosen)
@@ -259,6 +250,16 @@ class _Taint:
             return self.carries(node.value, seen)
         return any(self.carries(child, seen) for child in ast.iter_child_nodes(node)
                    if not isinstance(child, (ast.expr_context, ast.FunctionDef, ast.Lambda)))
+
+
+def _literal(node):
+    """The constant a node spells: a literal, or a negative number (-5 parses as -(5))."""
+    if isinstance(node, ast.Constant):
+        return node
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub) and \
+            isinstance(node.operand, ast.Constant) and type(node.operand.value) in (int, float):
+        return ast.Constant(-node.operand.value)
+    return None
 
 
 def _is_zero_or_one(node):

@@ -55,6 +55,11 @@ def run_dir_of(cfg) -> Path:
     return Path(cfg.resume) if cfg.resume else Path(cfg.out_dir) / cfg.run_name
 
 
+def resume_command(run_dir: Path) -> str:
+    """The command that continues the run in run_dir, pasted as it is (a name with a space)."""
+    return f"python t3rl.py --resume {shlex.quote(str(run_dir))}"
+
+
 def run_started(run_dir: Path) -> bool:
     """Whether a folder holds a run's results (a folder with only config.json is a start that never
     ran)."""
@@ -133,8 +138,7 @@ def save_checkpoint(run_dir: Path, step: int, trained, tokenizer, optimizer, sch
                 raise
             raise RunDirError(f"{run_dir}: cannot write the checkpoint of step {step} "
                               f"({'the disk is full' if full else err.strerror or err}); free "
-                              f"space there and continue with: python t3rl.py --resume "
-                              f"{shlex.quote(str(run_dir))}") from None
+                              f"space there and continue with: {resume_command(run_dir)}") from None
         if final.exists():
             if old.exists():
                 shutil.rmtree(old)
