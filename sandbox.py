@@ -12,14 +12,11 @@ What is covered (isolation "root" or "userns"; `pool.report` says what is active
 - files: the host is read-only; /tmp, /var/tmp, /dev/shm, /run, /home, /root and the caller's
   HOME, working and temp folders are hidden; each program gets a fresh folder on a private tmpfs
 - secrets and network: an empty environment, its own /proc, an empty network namespace
-- leftovers: whatever the program spawned is killed and reaped before its result is returned, its
-  folder and its System V shared memory, queues and semaphores (the worker's IPC namespace) removed
-
-What is not covered:
+- leftovers: what it spawned is killed and reaped, its folder and System V objects removed
+What is not covered (docs/sandbox.md):
 - kernel exploits and hardware side channels (the program shares the kernel)
-- denial of service through CPU, memory bandwidth or page cache within the limits; memory past the
-  address-space limit in a tmpfs the program mounts in a user namespace of its own, or in 64
-  processes (no memory cgroup)
+- denial of service through CPU, memory bandwidth or page cache within the limits; memory in a
+  tmpfs it mounts in a user namespace of its own, or in 64 processes (no memory cgroup)
 - world-readable host files outside the hidden places (/etc, /usr, /work/shared)
 - mode "userns": files the caller may read stay readable (not writable); mode "none": the file
   system beyond Unix permissions, /proc of processes of the same uid, and signals to them
