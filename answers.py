@@ -51,6 +51,7 @@ _MATH_SPAN = re.compile(r"\$\$((?s:.+?))\$\$|(?<!\\)\$((?:\\\$|[^$\n])+?)(?<!\\)
 _BOX_JOINER = re.compile(r"(?:\s|[,;.$~&]|\\[()\[\],;:! ]|\\q?quad\b|\\text\{[^{}\d]{0,30}\}"
                          r"|\b(?:and|or)\b)*")
 SHORT_RESPONSE_CHARS = 200
+_EMPHASIS = re.compile(r"^[*_\s]+")  # markdown around a stated answer: "**Final Answer:** 25"
 
 
 def closing_braces(text, start=0):
@@ -106,15 +107,21 @@ def _last_run(text, spans):
 
 
 def _sentence_answer(text, match):
-    """What follows an "answer is" match: its leading math span, else the sentence up to its full
-    stop."""
-    rest = text[match.end():]
-    math = _MATH_SPAN.match(rest)
-    if math:
-        answer = next(g for g in math.groups() if g is not None)
-    else:
-        answer = re.split(r"\.(?:\s|$)|\n|\sI hope\b", rest)[0]
-    return answer.strip().strip("$").strip() or None
+    """What follows an "answer is" match (markdown emphasis around it left out): its leading math
+    span, joined with the spans after it that only connectors separate ("$x=3$ or $x=5$"), else the
+    sentence up to its full stop."""
+    rest = _EMPHASIS.sub("", text[match.end():])
+    spans = _math_spans(rest)
+    if spans and spans[0][0] == 0:
+        run = [spans[0]]
+        for span in spans[1:]:
+            between = rest[run[-1][1]:span[0]]
+            if "." in between or not _BOX_JOINER.fullmatch(between):
+                break
+            run.append(span)
+        return ", ".join(content for _, _, content in run if content) or None
+    answer = re.split(r"\.(?:\s|$)|\n|\sI hope\b", rest)[0]
+    return answer.strip().strip("$*").strip() or None
 
 
 def extract_answer(text):
@@ -123,8 +130,10 @@ def extract_answer(text):
 
     1. A "final answer is X" / "Final Answer: X" sentence after the last box (Minerva's "Final
        Answer: The final answer is $X$. I hope it is correct.", or a conclusion that overrides a
-       mid-solution box): X is the sentence's leading math span ($X$, \(X\), ...), else the sentence
-       up to its full stop.
+       mid-solution box): X is the sentence's leading math span ($X$, \(X\), ...) with the spans
+       that only connectors join to it ("$x=3$ or $x=5$"), else the sentence up to its full stop;
+       markdown emphasis around X is left out. Words without a digit after a box ("the final answer
+       is in the box above") leave the box.
     2. The last \boxed{...} (or \fbox{...}, or "\boxed 5"); empty and unclosed boxes do not count.
        Boxes just before it that only connectors separate (commas, "and", "or", \quad, $, a short
        \text{...} without digits) belong to the same answer: "\boxed{-2} and \boxed{1}" gives
@@ -138,8 +147,11 @@ def extract_answer(text):
         return None
     box_start, boxed = _last_run(text, _boxes(text))
     finals = [m for m in _FINAL_ANSWER.finditer(text) if box_start is None or m.start() > box_start]
-    if finals and _sentence_answer(text, finals[-1]):
-        return _sentence_answer(text, finals[-1])
+    final = _sentence_answer(text, finals[-1]) if finals else None
+    # words without a digit or math ("the final answer is in the box above") leave the box
+    if final and (boxed is None or re.search(r"\d", final)
+                  or _MATH_SPAN.match(_EMPHASIS.sub("", text[finals[-1].end():]))):
+        return final
     if boxed is not None:
         return boxed
     sentences = list(_ANSWER_IS.finditer(text))
@@ -274,6 +286,8 @@ def _strip_presentation(s):
     s = re.sub(r"\\(?:left|right)\s*[.]", "", s)
     s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    # Euler's e and the imaginary unit set upright: constants, not a unit or words to drop
+    s = re.sub(r"\\(?:mathrm|text|rm|operatorname)\s*\{\s*([ei])\s*\}", r"\1", s)
     s = re.sub(r"\\(?:textbf|textrm|textit|mathrm|mathbf|mbox|operatorname|textnormal)\s*\{",
                r"\\text{", s)
     s = re.sub(r"\{[bB]matrix\}", "{pmatrix}", s)
@@ -290,9 +304,10 @@ def _strip_presentation(s):
             break
         s = stripped
     s = re.sub(r"\s*\\text\{\s*and\s*\}\s*|\s+and\s+", ", ", s)  # "p=-1 \text{ and } p=2": a list
+    s = re.sub(r"\s*\\text\{\s*or\s*\}\s*|\s+or\s+", r"\\text{or}", s)  # _structure reads it
     s = _SPACING.sub(" ", s).strip()
     # '58,500' is a number; '32, 349' is a list
-    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+    if re.fullmatch(r"[-+]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?", s):
         s = s.replace(",", "")
     return s
 
@@ -371,6 +386,12 @@ def _structure(s):
     list."""
     s = "".join(s.split())
     s = re.sub(r"^[a-zA-Z]\\in(?=.)", "", s)  # 'x \in [-2,7]'
+    if s[:1] == "{" and closing_braces(s).get(0) == len(s) - 1:
+        s = s[1:-1]  # a bare group, '{1,3}', prints as its content: a list
+    # 'x=-1 or x=2': the roots, a list ('x<1 or x>2', a union of intervals, is read below)
+    alternatives = [p for part in _split_top(s, r"\text{or}") for p in _split_top(part, r"\lor")]
+    if len(alternatives) > 1 and not all(map(_interval_or_none, map(_relations, alternatives))):
+        s = ",".join(alternatives)
     chain = _split_top(s, "=")
     if (len(chain) > 2 and len(_split_top(s, ",")) == 1 and chain[-1]
             and not re.search(r"[<>!]$", chain[-2])):  # 'x = 5+5+1 = 11': the last value

@@ -39,6 +39,13 @@ from voting import answer_classes
     ("$1$ and $2$ and $3$", "1, 2, 3"),
     ("Answer $ \n 9 \n $", None),  # $...$ does not span lines
     ("Let $t$ be the time. " * 20 + "Then $t = 3$.", None),
+    # markdown around a final answer; words after a box leave the box; one sentence, several spans
+    ("So $\\boxed{25}$.\n\n**Final Answer:** 25", "25"),
+    ("...\n\nFinal Answer: **25**", "25"),
+    ("...\n\n**Final Answer:**\n$$25$$", "25"),
+    ("So $\\boxed{4}$. The final answer is in the box above.", "4"),
+    ("The answer is $x = 3$ or $x=5$.", "x = 3, x=5"),
+    ("The answer is $5$. Then $6$.", "5"),
 ])
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
@@ -73,6 +80,9 @@ EQUIV = [  # (pred, gold) pairs that are equal, one or more per category of the 
     ("-x > -1", "x < 1"), ("x \\neq 3", "x != 3"), ("x = 5+5+1 = 11", "11"),             # relations
     ("28 pct", "28\\%"), ("28 percent", "28\\%"), ("9\\%", "9"),                              # percent words
     ("0.0833333333333333", "\\frac{1}{12}"),                                               # a printed double
+    ("1+\\mathrm{i}", "1+i"), ("\\mathrm{e}^{-1}", "\\frac1e"), ("\\text{e}^2", "e^2"),          # upright e, i
+    ("x=-1 \\text{ or } x=2", "-1, 2"), ("x=1 \\lor x=2", "2,1"), ("1 or 2", "1,2"),             # roots with or
+    ("{1,3}", "1,3"),                                                                      # a bare group
 ]
 
 
@@ -87,6 +97,9 @@ NOT_EQUIV = [  # near misses
     ("32, 349", "32349"), ("", ""), ("\\boxed{}", ""),                                       # false positives
     ("(p,q)=(3,2)", "(2,3)"), ("AB=4, CD=5", "AB=5, CD=4"), ("f(x)=1", "2"),
     ("-x > -1", "x > 1"), ("28 pct", "2.8\\%"), ("9\\%", "0.09"),
+    ("1+\\mathrm{e}", "1-\\mathrm{e}"), ("3+4\\mathrm{i}", "7"), ("2\\mathrm{i}", "2"),         # upright e, i
+    ("x=-1 \\text{ or } x=2", "2"), ("x=1 \\quad\\text{or}\\quad x=2", "2"),                   # not the last root
+    ("(3,1)", "{1,3}"), ("0,111", "111"),                                     # a tuple is no list; 0,111 no number
 ]
 
 
