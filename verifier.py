@@ -21,7 +21,9 @@ Beyond the paper, each at its one call in t3rl.setup: several programs and repai
 verdict memory (extensions/memory.py), Knights and Knaves' SMT tool (extensions/knk.py).
 """
 import hashlib
+import math
 import re
+import textwrap
 import time
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -222,18 +224,19 @@ Candidate solution (it may be wrong):
 
 Write the Python program that computes the answer to the problem."""
 
-FENCE_PYTHON = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n]*\n(.*?)(?:```|\Z)",
+FENCE_PYTHON = re.compile(r"```[ \t]*(?:python3?|py)\b[^\n`]*\n(.*?)(?:```|\Z)",
                           re.DOTALL | re.IGNORECASE)
-FENCE_ANY = re.compile(r"```[^\n]*\n(.*?)(?:```|\Z)", re.DOTALL)
+FENCE_ANY = re.compile(r"```[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)
 
 
 def extract_code(text):
-    """The first non-empty ```python block of a reply, else its first fenced block, else None; a
-    block left open (the reply hit its token limit) runs to the end."""
+    """The first non-empty ```python block of a reply, else its first non-empty fenced block, else
+    None; a block left open (the reply hit its token limit) runs to the end, and a block indented
+    in a markdown list loses its indent."""
     for fence in (FENCE_PYTHON, FENCE_ANY):
-        m = fence.search(text)
-        if m and m.group(1).strip():
-            return m.group(1)
+        for m in fence.finditer(text):
+            if m.group(1).strip():
+                return textwrap.dedent(m.group(1))
     return None
 
 
@@ -256,7 +259,9 @@ PYTHON_PRELUDE = "import math, fractions\nimport numpy, numpy as np\nimport symp
 # sympy prints sqrt(3)/3 or (3, pi/2), which the answer side's LaTeX parser reads poorly: sympy
 # writes it in LaTeX, in the sandbox too (sympify evaluates untrusted text)
 _PYTHON_EXPRESSION = re.compile(r"[A-Za-z*(\[{]")
-_LATEX_SNIPPET = "import sympy\nprint(sympy.latex(sympy.sympify({text!r})))"
+_LATEX_SNIPPET = ("import sympy\nprint(sympy.latex(sympy.sympify({text!r}), mat_str='pmatrix', "
+                  "mat_delim=''))")
+_SPACED_VALUES = re.compile(r"(?<=[\d.])[ \t]+(?=[-+]?\d)")  # print(3, 4) -> '3 4'
 _MACHINE_FLOAT = re.compile(r"[-+]?\d*\.\d{7,}(?:e[-+]?\d+)?|[-+]?\d+(?:\.\d*)?e[-+]?\d+",
                             re.IGNORECASE)
 
@@ -264,7 +269,7 @@ _MACHINE_FLOAT = re.compile(r"[-+]?\d*\.\d{7,}(?:e[-+]?\d+)?|[-+]?\d+(?:\.\d*)?e
 def python_tool(codes, pool) -> list:
     """Run every program after PYTHON_PRELUDE in the sandbox pool (one run_many), never in this
     process; then spell the results that are Python expressions in LaTeX (one more run_many)."""
-    runs = pool.run_many([PYTHON_PRELUDE + code for code in codes]) if codes else []
+    runs = pool.run_many([with_prelude(code) for code in codes]) if codes else []
     tool_runs = [ToolRun("ok" if r.status == "ok" else "timeout" if r.status == "timeout"
                          else "error", last_line(r.stdout),
                          r.stdout + ("\n" if r.stdout and r.stderr else "") + r.stderr, r.duration)
@@ -278,6 +283,13 @@ def python_tool(codes, pool) -> list:
     return tool_runs
 
 
+def with_prelude(code: str) -> str:
+    """PYTHON_PRELUDE before the program, after its `from __future__` imports (which must come
+    first)."""
+    future = re.match(r"(?:\s*(?:#[^\n]*|from\s+__future__\s+import[^\n]*)\n)*", code).end()
+    return code[:future] + PYTHON_PRELUDE + code[future:]
+
+
 def last_line(text: str) -> str | None:
     """The last non-empty line of text, stripped (None: there is none)."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -286,25 +298,30 @@ def last_line(text: str) -> str | None:
 
 def value_text(result):
     """The value in a printed line: 'The answer is 9.' -> '9', 'Result: 14/3' -> '14/3'."""
-    m = re.fullmatch(r"[A-Za-z][A-Za-z ,'()-]*?(?:\bis|:|=)\s*(.+?)\.?", result)
+    m = re.fullmatch(r"[A-Za-z][A-Za-z ,'()-]*?(?:\bis\s*:?|:|=)\s*(.+?)\.?", result)
     return m.group(1) if m else result
 
 
 def python_spelling(result):
-    """Python's notation in the answer side's: x**2 -> x^2, pi -> \\pi, I -> i, [1, 2] -> 1, 2."""
-    s = result.replace("**", "^")
+    """Python's notation in the answer side's: x**2 -> x^2, pi -> \\pi, I -> i, [1, 2] -> 1, 2,
+    Fraction(1, 2) -> 1/2, np.int64(3) -> 3 (numpy 2's repr inside a container)."""
+    s = re.sub(r"\bFraction\((-?\d+), (\d+)\)", r"\1/\2", result)
+    s = re.sub(r"\bnp\.(?:u?int|float)\d*\(([^()]*)\)", r"\1", s)
+    s = s.replace("**", "^")
     s = re.sub(r"(?<![\\a-zA-Z])pi(?![a-zA-Z])", r"\\pi", s)
     s = re.sub(r"(?<![\\a-zA-Z])(?:(\d)\*)?I(?![a-zA-Z])", r"\1i", s)  # 9*I -> 9i
     return s[1:-1] if s.startswith("[") and s.endswith("]") else s
 
 
 def tool_agrees(result, answer, latex=None) -> bool:
-    """t_i ~ a_i: equivalent as printed, as sympy's LaTeX of it, or as the value after a label. A
-    float printed at machine precision (1/3 -> 0.3333333333333333) is a computed double: it matches
-    a rational answer within relative 1e-9, another exact one at the double's precision; shorter
-    decimals compare exactly (0.33 != 1/3)."""
+    """t_i ~ a_i: equivalent as printed, as sympy's LaTeX of it, or as the value after a label.
+    Values printed apart ('3 4', numpy's [3 4]) are a list, not the number 34. A float printed with
+    7 or more decimals or an exponent (1/3 -> 0.3333333333333333) is a computed double: it matches
+    a rational answer within 1e-9 (relative; absolute below 1), another exact one at its printed
+    precision; shorter decimals compare exactly (0.33 != 1/3)."""
     if result is None:
         return False
+    result = _SPACED_VALUES.sub(", ", result)
     if is_equiv(result, answer) or (latex is not None and is_equiv(latex, answer)):
         return True
     if value_text(result) != result:
@@ -316,7 +333,9 @@ def tool_agrees(result, answer, latex=None) -> bool:
             value = Fraction(answer_key(answer))
         except (ValueError, ZeroDivisionError):
             return computed_float_equiv(result, answer)
-        return abs(float(result) - value) <= 1e-9 * max(1.0, abs(float(value)))
+        printed = float(result)
+        return math.isfinite(printed) and \
+            abs(Fraction(printed) - value) <= Fraction(1, 10 ** 9) * max(1, abs(value))
     return False
 
 

@@ -24,6 +24,7 @@ hardcoded(code, problem, answer) is what verify_batch asks (through the math Dom
 program whose printed result matches the rollout's answer.
 """
 import ast
+import math
 import re
 from fractions import Fraction
 
@@ -34,16 +35,21 @@ def hardcoded(code, problem, answer):
     """True when a print that can come last in the program shows the candidate `answer` copied in as
     a literal that the `problem` text does not supply, or as a bare constant (the module's docstring
     says how). A program that does not parse is not hard-coded: it cannot run either, and the tool
-    reports the error."""
+    reports the error; one nested too deep to check counts as hard-coded (not verified)."""
+    if answer is None:
+        return False
     try:
         tree = ast.parse(code)
     except (SyntaxError, ValueError):
         return False
-    if answer is None:
-        return False
-    taint = _Taint(tree, problem, answer)
-    return any(taint.carries(arg) or taint.constant(arg)
-               for call in final_prints(tree) for arg in call.args)
+    except RecursionError:  # nested past what the parser follows ('1+1+...' 3000 times): unchecked,
+        return True         # so not verified
+    try:
+        taint = _Taint(tree, problem, answer)
+        return any(taint.carries(arg) or taint.constant(arg)
+                   for call in final_prints(tree) for arg in call.args)
+    except RecursionError:  # and past what the walk follows (1000 times)
+        return True
 
 
 def _is_print(node):
@@ -176,6 +182,8 @@ class _Taint:
     def _is_answer(self, constant):
         if isinstance(constant.value, str):
             return answer_key(constant.value) == self.answer_key
+        if isinstance(constant.value, float) and not math.isfinite(constant.value):
+            return False  # 1e999 is inf: no answer's value
         if isinstance(constant.value, (int, float)) and not isinstance(constant.value, bool):
             return self.answer_value is not None and \
                 abs(Fraction(constant.value) - self.answer_value) <= \

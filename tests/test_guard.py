@@ -87,3 +87,12 @@ def test_negative_answers_main_blocks_and_f_strings_are_copies_too():
                          ("if __name__ == '__main__':\n    ans = 55\n    print(ans)", "55")]:
         assert hardcoded(code, problem, answer), code
     assert hardcoded("print(f'{55}')", "There are 55 cats.", "55")  # a bare constant, though the problem gives it
+
+
+def test_an_infinite_literal_or_a_chain_too_deep_to_walk_is_decided_without_error():
+    """1e999 is inf, no answer's value: the minimum it starts is computed; a chain nested past the walk's
+    recursion is not checked, so it is not verified."""
+    start_at_inf = "m = 1e999\nfor v in [5, 7, 9]:\n    m = min(m, v)\nprint(m)"
+    assert not hardcoded(start_at_inf, "Find the smallest of 5, 7 and 9.", "5")
+    assert hardcoded("x = " + "+".join(["1"] * 3000) + "\nprint(x)", "Add 1 to itself.", "3000")
+

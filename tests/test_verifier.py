@@ -79,6 +79,15 @@ def test_result_is_the_last_nonempty_line(verify_pool):
     ("import sympy\nx = sympy.symbols('x')\nprint(sympy.expand((x + 1) ** 3))", "x^2+2x+1", "mismatch"),
     ("n = 4 + 5\nprint(f'The answer is {n}.')", "9", "verified"),
     ("n = 4 + 6\nprint(f'The answer is {n}.')", "9", "mismatch"),
+    ("print('The answer is:', 4 + 5)", "9", "verified"),  # a colon after the label
+    ("print(3, 7)", "37", "mismatch"),  # values printed apart are a list, not 37
+    ("import numpy as np\nprint(np.array([3, 7]))", "3, 7", "verified"),
+    ("import numpy as np\nprint((np.int64(3), np.int64(4)))", "(3,4)", "verified"),  # numpy 2's repr
+    ("from fractions import Fraction\nprint((Fraction(1, 2), Fraction(3, 4)))", "(\\frac12, \\frac34)",
+     "verified"),
+    ("import sympy\nprint(sympy.Matrix([1, 2]))", "\\begin{pmatrix}1\\\\2\\end{pmatrix}", "verified"),
+    ("from __future__ import annotations\nprint(sum(range(1, 11)))", "55", "verified"),
+    ("print(1 / 3)", "1" * 400, "mismatch"),  # a double against an answer past float range
 ])
 def test_printed_results_are_compared_by_value(verify_pool, code, answer, status):
     """Equivalent spellings verify, near misses do not; sympy prints sqrt(51), (3, pi/2), x**2 + 2*x + 1,
@@ -169,6 +178,12 @@ def test_code_is_the_first_python_block():
 
 def test_code_falls_back_to_the_first_fenced_block():
     assert extract_code("```\nprint(3)\n```").strip() == "print(3)"
+
+
+def test_an_empty_or_inline_block_hides_no_later_block_and_an_indented_one_is_dedented():
+    assert extract_code("```python\n\n```\n```python\nprint(5)\n```").strip() == "print(5)"
+    assert extract_code("Use ```python``` like this:\n```python\nprint(6)\n```").strip() == "print(6)"
+    assert extract_code("1. Compute:\n   ```python\n   x = 2\n   print(x)\n   ```") == "x = 2\nprint(x)\n"
 
 
 def test_unclosed_block_runs_to_the_end():
