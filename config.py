@@ -295,8 +295,9 @@ def check_config(cfg: Config):
             raise OptionError(f"{flag(f.name)} {value}: choose one of {', '.join(allowed)}")
     if cfg.bench not in BENCHES and not (cfg.bench.endswith(".jsonl")
                                          and Path(cfg.bench).is_file()):
-        raise OptionError(f"--bench {cfg.bench}: choose one of {', '.join(BENCHES)}, or pass a "
-                          f".jsonl file of questions that exists")
+        what = "no such file" if cfg.bench.endswith(".jsonl") else "no such benchmark"
+        raise OptionError(f"--bench {cfg.bench}: {what}; choose one of {', '.join(BENCHES)}, or "
+                          f"pass a .jsonl file of questions that exists")
     if cfg.n_train > cfg.n_votes:
         raise OptionError(f"--n-train {cfg.n_train}: must be at most --n-votes ({cfg.n_votes}); "
                           f"M rollouts are kept out of the N sampled")

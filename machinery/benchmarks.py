@@ -7,6 +7,7 @@ HF_ENDPOINT mirror, HF_HUB_OFFLINE and the Hub cache apply as in every other Hub
 Hub it says where to put the file instead.
 """
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -36,7 +37,10 @@ class BenchError(DataError):
 def load_bench(name: str) -> list[dict]:
     """Benchmark records, from a .jsonl file `name`, else $T3RL_DATA_DIR/<name>.jsonl, else
     data/<name>.jsonl, else the Hugging Face Hub."""
-    if name.endswith(".jsonl") and Path(name).is_file():
+    if name.endswith(".jsonl"):
+        if not Path(name).is_file():
+            raise BenchError(f"--bench {name}: no such file; pass a .jsonl file of questions "
+                             f"that exists, or one of {', '.join(BENCHES)}")
         return read_jsonl(Path(name))
     if name not in BENCHES:
         raise BenchError(f"--bench {name}: unknown benchmark; choose one of {', '.join(BENCHES)}")
@@ -76,8 +80,13 @@ def read_jsonl(path: Path) -> list[dict]:
         if not isinstance(rec["problem"], str):
             raise DataError(f"{path}:{lineno}: 'problem' is a {type(rec['problem']).__name__}, "
                             f"not a string; write the question as a JSON string")
-        rec["answer"] = str(rec["answer"])
-        rec["id"] = str(rec.get("id", f"{path.stem}-{lineno}"))
+        answer = rec["answer"]  # a number is its spelling; a list or true has none to compare
+        if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or \
+                (isinstance(answer, float) and not math.isfinite(answer)):
+            raise DataError(f"{path}:{lineno}: 'answer' is {json.dumps(answer)[:40]}; write it "
+                            f"as a JSON string as the solution states it, such as \"1, 2\"")
+        rec["answer"] = str(answer)
+        rec["id"] = str(f"{path.stem}-{lineno}" if rec.get("id") is None else rec["id"])
         if rec["id"] in first_line:
             raise DataError(f"{path}:{lineno}: id '{rec['id']}' is already used on line "
                             f"{first_line[rec['id']]}; give every question its own id")

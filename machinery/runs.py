@@ -476,7 +476,7 @@ def jsonl_objects(path: Path, torn_tail_ok: bool = False):
     lines = path.read_bytes().split(b"\n")
     for lineno, raw in enumerate(lines, start=1):
         try:
-            line = raw.decode("utf-8")
+            line = raw.decode("utf-8").removeprefix("\ufeff" if lineno == 1 else "")  # a BOM
             if not line.strip():
                 continue
             obj = json.loads(line)

@@ -116,3 +116,25 @@ def test_a_jsonl_file_is_a_benchmark(tmp_path):
     path.write_text('{"id": "a", "problem": "1+1"}\n')
     with pytest.raises(runs.DataError, match=r"mine.jsonl:1: record has no 'answer'"):
         benchmarks.load_bench(str(path))
+
+
+def test_a_file_saved_with_a_bom_loads_and_a_null_id_is_a_missing_one(tmp_path):
+    path = tmp_path / "mine.jsonl"
+    path.write_bytes('\ufeff{"id": null, "problem": "1+1", "answer": 2}\n{"id": null, "problem": "2+2", "answer": 4.5}\n'
+                     .encode("utf-8"))
+    assert [(r["id"], r["answer"]) for r in benchmarks.load_bench(str(path))] == [("mine-1", "2"), ("mine-2", "4.5")]
+
+
+@pytest.mark.parametrize("answer", ["[1, 2]", "true", '{"x": 1}', "NaN", "null"])
+def test_an_answer_that_is_no_string_or_number_names_its_line(tmp_path, answer):
+    """A list or true has no spelling to compare with (str([1, 2]) would read as an interval); null is missing."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"problem": "1+1", "answer": "2"}\n{"problem": "roots?", "answer": ' + answer + '}\n')
+    with pytest.raises(runs.DataError, match=r"mine.jsonl:2: (record has no 'answer'|'answer' is .*; write it as a "
+                                             r"JSON string)"):
+        benchmarks.load_bench(str(path))
+
+
+def test_a_missing_jsonl_file_is_named_as_missing():
+    with pytest.raises(benchmarks.BenchError, match=r"--bench /no/such/mine.jsonl: no such file"):
+        benchmarks.load_bench("/no/such/mine.jsonl")

@@ -248,7 +248,7 @@ BAD_INPUTS = [
     ("preset", lambda c: argv_for(c, preset="gpu"), r"--preset gpu: choose one of auto, paper, ttrl, cpu"),
     ("kl-coef", lambda c: argv_for(c, kl_coef=-0.1), r"--kl-coef -0.1: must be in \[0, inf\)"),
     ("agent on kv", lambda c: argv_for(c, "--agent"), r"--agent with --backend kv: .*pass --backend kv-fast"),
-    ("bench file missing", lambda c: argv_for(c, bench="no-such.jsonl"), r"--bench no-such.jsonl: choose one of .*"
+    ("bench file missing", lambda c: argv_for(c, bench="no-such.jsonl"), r"--bench no-such.jsonl: no such file; choose one of .*"
                                                                          r"or pass a .jsonl file of questions that exists"),
     ("verify-budget", lambda c: argv_for(c, verify_budget=-1), r"--verify-budget -1: must be in \[0, inf\)"),
     ("verifier-programs", lambda c: argv_for(c, verifier_programs=0), r"--verifier-programs 0: must be in \[1, inf\)"),
@@ -260,7 +260,7 @@ BAD_INPUTS = [
     ("n-train one", lambda c: argv_for(c, n_train=1), r"--n-train 1: must be in \[2, inf\)"),
     ("n-train above n-votes", lambda c: argv_for(c, n_train=5), r"--n-train 5: must be at most --n-votes \(4\)"),
     ("seed", lambda c: argv_for(c, seed=-1), r"--seed -1: must be in \[0, 4294967295\]"),
-    ("bench", lambda c: argv_for(c, bench="gsm8k"), r"--bench gsm8k: choose one of math500, aime2024, amc, demo, knk"),
+    ("bench", lambda c: argv_for(c, bench="gsm8k"), r"--bench gsm8k: no such benchmark; choose one of math500, aime2024, amc, demo, knk"),
     ("backend", lambda c: argv_for(c, backend="tpu"), r"--backend tpu: choose one of kv, kv-fast, hf, vllm"),
     ("verifier-model", lambda c: argv_for(c, verifier_model="nonexistent"), r"--verifier-model nonexistent: not a folder"),
     ("model folder", lambda c: argv_for(c, model="./no/such/folder"), r"--model ./no/such/folder: not a folder"),
