@@ -35,7 +35,7 @@ CLIP = 0.2           # eps: the ratio's clip range [1 - eps, 1 + eps] (TTRL's sc
 DUAL_CLIP = 3.0      # c: a token with A < 0 loses at most c |A| (verl's clip_ratio_c)
 MAX_GRAD_NORM = 1.0  # the gradient's norm is clipped to this (verl's grad_clip)
 WARMUP_RATIO = 0.03  # share of the schedule warming the learning rate up from 0 (TTRL's scripts)
-WEIGHT_DECAY = 0.01  # AdamW's, on the matrices (verl's)
+WEIGHT_DECAY = 0.01  # AdamW's, on every parameter (verl's fsdp_workers.py:367-372)
 CHUNK_ROWS = 256     # response rows per chunk of the output head (logprobs.token_logprobs)
 
 
@@ -346,17 +346,14 @@ def check_batch(batch: Rollouts, cfg: Config, ref_model):
 
 
 def make_optimization(model, cfg: Config, total_steps: int):
-    """AdamW over the trainable parameters (the matrices decay, norms and biases do not; fused where
-    torch has the kernel), and its cosine schedule over the run's steps: linear warmup from 0 over
-    the first 3 %, then decay to 0 (verl's)."""
+    """AdamW over the trainable parameters, every one decayed (verl's; fused where torch has the
+    kernel), and its cosine schedule over the run's steps: linear warmup from 0 over the first 3 %,
+    then decay to 0 (verl's)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WEIGHT_DECAY},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
     try:
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr, fused=True)
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=WEIGHT_DECAY, fused=True)
     except RuntimeError:  # raised at construction on devices without a fused kernel
-        optimizer = torch.optim.AdamW(groups, lr=cfg.lr)
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=WEIGHT_DECAY)
     return optimizer, cosine_schedule(optimizer, total_steps, int(WARMUP_RATIO * total_steps))
 
 

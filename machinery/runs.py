@@ -243,7 +243,12 @@ STATE_KEYS = {"step", "optimizer", "scheduler", "rng"}  # what state.pt holds
 def restore_state(state: dict, load_optimizer, scheduler) -> int:
     """Optimizer (through load_optimizer: the optimizer's load_state_dict, or FSDP's scatter onto
     its shards), schedule and RNG states from a checkpoint's state.pt; returns the steps done."""
-    load_optimizer(state["optimizer"])
+    try:
+        load_optimizer(state["optimizer"])
+    except ValueError as err:  # its parameter groups or sizes are not this optimizer's
+        raise RunDirError(f"--resume: the checkpoint's optimizer state does not fit this run's "
+                          f"optimizer ({str(err).splitlines()[0]}); resume with the t3rl version "
+                          f"that wrote it, or start a new run") from None
     scheduler.load_state_dict(state["scheduler"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])

@@ -327,6 +327,20 @@ def test_grpo_step_runs_under_accelerate(tiny_model):
     assert metrics["grad_norm"] > 0 and metrics["response_tokens"] == 10
 
 
+def test_adamw_decays_every_parameter_as_verl_does():
+    """verl builds AdamW(module.parameters(), weight_decay=0.01): norms and biases decay too. One step with a zero
+    gradient moves nothing but the decay."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    optimizer, scheduler = make_optimization(model, Config(lr=0.5), total_steps=1)
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.01]
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for old, new in zip(before, model.parameters()):
+        assert torch.allclose(new, old * (1 - 0.5 * 0.01))
+
+
 def test_cosine_schedule_warms_up_then_decays_to_zero():
     optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     scheduler = cosine_schedule(optimizer, total_steps=6, warmup_steps=2)

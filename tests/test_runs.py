@@ -305,3 +305,16 @@ def test_every_process_of_a_launched_run_shares_its_name_timeout_and_precision(t
     share = f"{workers} worker{'s' if workers > 1 else ''} per process"
     assert f"[t3rl] sandbox, {share}:" in done.stderr.splitlines()
     assert "[t3rl] accelerate's config asks for mixed precision fp16;" in done.stderr
+
+
+def test_an_optimizer_state_of_another_shape_stops_the_resume_in_one_line():
+    """A checkpoint whose optimizer state has other parameter groups (written by another t3rl version) cannot be
+    loaded into this run's optimizer: one line, not a traceback."""
+    model = torch.nn.Linear(2, 2)
+    theirs = torch.optim.AdamW([{"params": [model.weight]}, {"params": [model.bias], "weight_decay": 0.0}])
+    mine = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(mine, lambda step: 1.0)
+    state = {"optimizer": theirs.state_dict(), "scheduler": scheduler.state_dict(), "step": 1, "rng": None}
+    with pytest.raises(runs.RunDirError, match=r"optimizer state does not fit .* start a new run$"):
+        runs.restore_state(state, mine.load_state_dict, scheduler)
+
