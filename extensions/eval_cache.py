@@ -40,7 +40,8 @@ def cached(evaluate, cfg, accelerator):
         path = cache_path(cfg, records, accelerator.device.type)
         verdicts = (cache_key(cfg, records, VERDICTS, accelerator.device.type) if verifies(cfg)
                     else None)
-        rows = read_rows(path, verdicts, len(records)) if accelerator.is_main_process else None
+        ids = [rec["id"] for rec in records]
+        rows = read_rows(path, verdicts, ids) if accelerator.is_main_process else None
         rows = broadcast_object_list([rows])[0]  # every process takes the main process's answer
         if rows is None:
             rows = evaluate(records, step)
@@ -62,7 +63,8 @@ def cache_key(cfg, questions: list[dict], names, device_type: str) -> str:
     what = {name: settings[name] for name in names}
     if names == SAMPLES:
         what |= {"model": model_fingerprint(cfg.model), "code": code_digest(),
-                 "questions": [[r["id"], r["problem"], r["answer"]] for r in questions]}
+                 "questions": [[r["id"], r["problem"], r["answer"], r.get("level")]
+                               for r in questions]}
     else:
         what["verifier_model"] = model_fingerprint(
             cfg.model if cfg.verifier_model == "self" else cfg.verifier_model)
@@ -105,17 +107,17 @@ def vote_keys(rows: list[dict]) -> list[str]:
     return [key for key in (rows[0] if rows else {}) if key.startswith("verified_maj@")]
 
 
-def read_entry(path: Path, questions: int, say: bool = True) -> dict | None:
-    """A cache file's entry of rows for `questions` questions; None when there is none, or when a
-    kill or an edit damaged it (said in one line unless `say` is False: it is made again)."""
+def read_entry(path: Path, ids: list, say: bool = True) -> dict | None:
+    """A cache file's entry of rows for the questions `ids`; None when there is none, or when a kill
+    or an edit damaged it (said in one line unless `say` is False: it is made again)."""
     try:
         entry = json.loads(path.read_text(encoding="utf-8"))
-        if well_formed(entry, questions):
+        if well_formed(entry, ids):
             return entry
-        problem = f"not a cache entry of {questions} questions"
+        problem = f"not a cache entry of these {len(ids)} questions"
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, RecursionError) as err:  # RecursionError: '[[[[...' nested
         problem = f"{type(err).__name__}: {err}"
     if say:
         print(f"[t3rl] --eval-cache: {path} is unreadable ({problem}); evaluating again and "
@@ -123,18 +125,22 @@ def read_entry(path: Path, questions: int, say: bool = True) -> dict | None:
     return None
 
 
-def well_formed(entry, questions: int) -> bool:
-    """{"rows": [row per question], "votes": {verifier key: [vote per question]}}"""
+def well_formed(entry, ids: list) -> bool:
+    """{"rows": [row per question], "votes": {verifier key: [vote per question]}}: the rows those of
+    the questions `ids` in order, every row (and every vote) of one shape."""
     def rows(x):
-        return isinstance(x, list) and len(x) == questions and all(isinstance(r, dict) for r in x)
+        return (isinstance(x, list) and len(x) == len(ids) and all(isinstance(r, dict) for r in x)
+                and all(r.keys() == x[0].keys() and len(r.get("runs", ())) ==
+                        len(x[0].get("runs", ())) for r in x))
     return (isinstance(entry, dict) and rows(entry.get("rows"))
+            and [r.get("id") for r in entry["rows"]] == ids and "greedy@1" in entry["rows"][0]
             and isinstance(entry.get("votes"), dict) and all(map(rows, entry["votes"].values())))
 
 
-def read_rows(path: Path, verdicts: str | None, questions: int) -> list[dict] | None:
+def read_rows(path: Path, verdicts: str | None, ids: list) -> list[dict] | None:
     """The cached rows, the verified vote's under this verifier's key (None: no verified vote);
     None when not made yet."""
-    entry = read_entry(path, questions)
+    entry = read_entry(path, ids)
     if entry is None or (verdicts is not None and verdicts not in entry["votes"]):
         return None
     print(f"[t3rl] evaluation at step 0 taken from {path}: an earlier run evaluated the same model "
@@ -146,7 +152,7 @@ def read_rows(path: Path, verdicts: str | None, questions: int) -> list[dict] | 
 
 def store(path: Path, verdicts: str | None, rows: list[dict]):
     """Keep the rows: the samples' part, and the verified vote under its verifier's key."""
-    entry = read_entry(path, len(rows), say=False) or {"votes": {}}
+    entry = read_entry(path, [row["id"] for row in rows], say=False) or {"votes": {}}
     keys = vote_keys(rows)
     entry["rows"] = [{k: v for k, v in row.items() if k not in keys} for row in rows]
     if verdicts is not None:
