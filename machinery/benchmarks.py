@@ -86,6 +86,10 @@ def read_jsonl(path: Path) -> list[dict]:
             raise DataError(f"{path}:{lineno}: 'answer' is {json.dumps(answer)[:40]}; write it "
                             f"as a JSON string as the solution states it, such as \"1, 2\"")
         rec["answer"] = str(answer)
+        level = rec.get("level")  # by_level groups and sorts the questions by it
+        if level is not None and (not isinstance(level, (str, int)) or isinstance(level, bool)):
+            raise DataError(f"{path}:{lineno}: 'level' is {json.dumps(level)[:40]}; write it as "
+                            f"a number or a string, or leave it out")
         rec["id"] = str(f"{path.stem}-{lineno}" if rec.get("id") is None else rec["id"])
         if rec["id"] in first_line:
             raise DataError(f"{path}:{lineno}: id '{rec['id']}' is already used on line "

@@ -215,7 +215,9 @@ def eval_metrics(rows: list[dict], k: int) -> dict:
         keys = [key for key in rows[0] if key not in ("id", "level", "runs", "greedy@1")]
         return result | {key: statistics.fmean(r[key] for r in rows) for key in keys}
     result = reduce(rows)
-    levels = sorted({r["level"] for r in rows if r["level"] is not None})
+    # numbers first, then names: a file may give both (1, 2, "olympiad")
+    levels = sorted({r["level"] for r in rows if r["level"] is not None},
+                    key=lambda level: (isinstance(level, str), level))
     if levels:
         result["by_level"] = {lv: reduce([r for r in rows if r["level"] == lv]) for lv in levels}
     return result

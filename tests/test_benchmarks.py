@@ -138,3 +138,13 @@ def test_an_answer_that_is_no_string_or_number_names_its_line(tmp_path, answer):
 def test_a_missing_jsonl_file_is_named_as_missing():
     with pytest.raises(benchmarks.BenchError, match=r"--bench /no/such/mine.jsonl: no such file"):
         benchmarks.load_bench("/no/such/mine.jsonl")
+
+
+@pytest.mark.parametrize("level", ["[1]", "true", "NaN", "1.5"])
+def test_a_level_that_is_no_number_or_name_names_its_line(tmp_path, level):
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"problem": "1+1", "answer": "2", "level": 1}\n{"problem": "2+2", "answer": "4", "level": '
+                    + level + '}\n')
+    with pytest.raises(runs.DataError, match=r"mine.jsonl:2: 'level' is .*; write it as a number or a string"):
+        benchmarks.load_bench(str(path))
+

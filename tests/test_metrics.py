@@ -1,6 +1,6 @@
 """machinery/metrics.py: what a step and an evaluation report (monitors: never rewards)."""
 from answers import answer_key, same_answer
-from machinery.metrics import group_metrics
+from machinery.metrics import eval_metrics, group_metrics
 from voting import weighted_vote
 
 
@@ -63,3 +63,12 @@ def test_an_extensions_counts_are_summed_over_the_questions_and_shown():
     assert any(line.split()[-1] == "6" for line in _training_lines([row, row])
                if line.startswith("agent tool_calls"))
     assert "extensions" not in step_metrics(0, per_question, {}, [{"sample": 1.0}])
+
+
+def test_an_evaluation_of_numbered_and_named_levels_reports_each():
+    """A user's file may number some levels and name others: by_level holds each, numbers first."""
+    row = lambda qid, level, right: {"id": qid, "level": level, "greedy@1": right, "runs": [right]}  # noqa: E731
+    result = eval_metrics([row("a", 2, 1.0), row("b", "olympiad", 0.0), row("c", 1, 1.0), row("d", None, 0.0)], 1)
+    assert list(result["by_level"]) == [1, 2, "olympiad"]
+    assert result["by_level"]["olympiad"]["avg@1"] == 0.0 and result["avg@1"] == 0.5
+
