@@ -10,8 +10,8 @@ agreeing with it:
 
 omega = inf is hard filtering (with none verified, the plain majority). A missing answer (None) is
 in no class and never rewarded. Classes group answers by key(a) (default: without whitespace) and
-join where same(a, b) holds, an equivalence. Ties go to more rollouts, then to the earlier first
-rollout. Standard library only: copy this file anywhere.
+join where same(a, b) holds, an equivalence. Weights add exactly (omega 1.4 is 7/5), and ties go to
+more rollouts, then to the earlier first rollout. Standard library only: copy this file anywhere.
 
 The paper's example: 11 unverified rollouts say 1260, 5 verified ones say 1320.
 
@@ -24,8 +24,8 @@ The paper's example: 11 unverified rollouts say 1260, 5 verified ones say 1320.
 >>> weighted_vote(answers, verified, omega=1).label
 '1260'
 """
-import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 
 @dataclass(frozen=True)
@@ -66,17 +66,17 @@ def weighted_vote(answers, verified, omega=5.0, same=None, key=None) -> Vote:
     weights = vote_weights(verified, omega)
     classes = rank_classes(answer_classes(answers, same, key), weights)
     ranked = [VoteClass(representative(answers, members), members,
-                        sum(weights[i] for i in members)) for members in classes]
+                        float(sum(weights[i] for i in members))) for members in classes]
     assignment = [next((k for k, m in enumerate(classes) if i in m), None)
                   for i in range(len(answers))]
     return Vote(ranked, assignment)
 
 
 def vote_weights(verified, omega) -> list:
-    """w_i = (1 - v_i) + v_i * omega; at omega = inf, v_i (plain counts when no v_i is 1)."""
-    if math.isinf(omega):
-        return [float(v) for v in verified] if any(verified) else [1.0] * len(verified)
-    return [float((1 - v) + v * omega) for v in verified]
+    """w_i = (1 - v_i) + v_i * omega as Fractions; at omega = inf, v_i (all 1 when no v_i is 1)."""
+    if omega == float("inf"):
+        return [Fraction(v) for v in verified] if any(verified) else [Fraction(1)] * len(verified)
+    return [(1 - v) + v * Fraction(repr(float(omega))) for v in verified]
 
 
 def rank_classes(classes, weights) -> list:

@@ -146,3 +146,12 @@ def test_rewards_follow_the_class_assignment():
     assert weighted_vote(["5", "5.0", None, "6"], [0] * 4, 1.0, key=answer_key).rewards() == [1.0, 1.0, 0.0, 0.0]
 
 
+
+
+@pytest.mark.parametrize("omega, verified, unverified", [(1.4, 10, 14), (1.3, 10, 13), (1.1, 20, 22), (1.1, 50, 55),
+                                                         (2.2, 25, 55)])
+def test_an_omega_that_makes_a_tie_ties_and_the_tie_goes_to_more_rollouts(omega, verified, unverified):
+    """10 verified at omega 1.4 weigh exactly what 14 unverified do; float sums (14.000000000000002) would decide
+    the tie by rounding instead of by the rule."""
+    vote = weighted_vote(["A"] * verified + ["B"] * unverified, [1] * verified + [0] * unverified, omega=omega)
+    assert vote.label == "B" and vote.scores["A"] == vote.scores["B"] == unverified
