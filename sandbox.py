@@ -9,10 +9,10 @@ What is covered (isolation "root" or "userns"; `pool.report` says what is active
   worker that dies anyway is replaced and its program reported as "killed"
 - hangs and resources: wall-clock timeout, CPU time, address space (2 GiB), file size, open files,
   processes (pids cgroup or RLIMIT_NPROC), output capped (64 KiB per stream), stdin at EOF
-- files: the host is read-only; /tmp, /var/tmp, /dev/shm, /run, /home, /root and the caller's
-  HOME, working and temp folders are hidden; each program gets a fresh folder on a private tmpfs
-- secrets and network: an empty environment, its own /proc, an empty network namespace
-- leftovers: what it spawned is killed and reaped, its folder and System V objects removed
+- files: the host is read-only; /tmp, /var/tmp, /dev/shm, /run, /home, /root, this project and the
+  caller's HOME, working and temp folders are hidden; each program gets a fresh private folder
+- secrets, network, leftovers: an empty environment, its own /proc, no network; what it spawned is
+  killed, its folder and IPC emptied; keyrings, System V memory, POSIX queues refused
 What is not covered (docs/sandbox.md):
 - kernel exploits and hardware side channels (the program shares the kernel)
 - denial of service through CPU, memory bandwidth or page cache within the limits; memory in a
@@ -46,6 +46,7 @@ STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
 ISOLATIONS = ("auto", "root", "userns", "none")
 HELPER = Path(__file__).resolve().parent / "machinery" / "sandbox_server.py"
 HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/home", "/root")  # and HOME, cwd, the temp dir
+PROJECT = Path(__file__).resolve().parent  # hidden too, wherever the caller runs from
 WORKER_GRACE = 30.0  # a worker silent this long past the program's timeout is dead
 
 
@@ -90,7 +91,7 @@ class SandboxPool:
         settings = {"ctrl_fd": helper_end.fileno(), "isolation": isolation,
                     "memory_bytes": memory_bytes, "output_bytes": output_bytes,
                     "hide": [os.path.expanduser("~"), os.getcwd(), tempfile.gettempdir(),
-                             *HIDDEN]}
+                             str(PROJECT), *HIDDEN]}
         # a fresh interpreter, not a fork of the caller, which may hold threads (torch) and secrets
         self.helper = subprocess.Popen(
             [sys.executable, "-I", "-X", "utf8", str(HELPER), "--serve", json.dumps(settings)],

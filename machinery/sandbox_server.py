@@ -19,11 +19,13 @@ Isolation modes (`SandboxPool(isolation=...)`, "auto" picks the first that the O
   userns  ordinary user: the same namespaces inside a user namespace; the snippet has no
           capabilities
   none    no namespaces: own process group + subreaper, seccomp blocks sockets, uid switch if root
+In every mode seccomp refuses the keyring and System V memory calls (x86-64, aarch64).
 
 The helper runs this file by path with -I (isolated: no environment, no script folder on sys.path),
 so nothing here imports the project: only the standard library, and numpy, sympy and z3 to warm them
 up. Replies are plain dicts of Result's fields; sandbox.py builds the Result.
 """
+import atexit
 import ctypes
 import dataclasses
 import errno
@@ -42,6 +44,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 
@@ -67,9 +70,11 @@ MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXE
                       "noatime": MS_NOATIME, "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_CAPBSET_DROP = 1, 22, 24
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
-# per architecture: seccomp audit arch, and the numbers of capset, socket, io_uring_setup
-ARCH = {"x86_64": (0xC000003E, 126, 41, 425),
-        "aarch64": (0xC00000B7, 91, 198, 425)}.get(platform.machine())
+# per architecture: seccomp audit arch, the numbers of capset, socket, io_uring_setup, and of the
+# calls no snippet may make: add_key, request_key, keyctl (a uid's keyring outlives the program, on
+# the host), shmget, msgget (System V memory outside the address-space limit)
+ARCH = {"x86_64": (0xC000003E, 126, 41, 425, (248, 249, 250, 29, 68)),
+        "aarch64": (0xC00000B7, 91, 198, 425, (217, 218, 219, 194, 186))}.get(platform.machine())
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -115,17 +120,20 @@ def _drop_capabilities():
     _check(_libc.syscall(ARCH[1], header, (ctypes.c_uint32 * 6)()), "capset")
 
 
-def _block_sockets():
-    """Seccomp filter: socket() fails with EACCES unless the family is AF_UNIX; io_uring (which can
-    open sockets) and other ABIs (x32, 32-bit) are refused outright."""
-    audit_arch, _, nr_socket, nr_io_uring = ARCH
+def _seccomp(block_sockets):
+    """Seccomp filter: the keyring and System V memory calls fail with EACCES, and so does socket()
+    unless the family is AF_UNIX (block_sockets: no network namespace); io_uring (which can open
+    sockets) and other ABIs (x32, 32-bit) are refused outright."""
+    audit_arch, _, nr_socket, nr_io_uring, denied = ARCH
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     allow, deny = 0x7FFF0000, 0x00050000 | errno.EACCES
-    program = [(ld, 0, 0, 4), (jeq, 0, 7, audit_arch),        # wrong ABI -> deny
-               (ld, 0, 0, 0), (jge, 5, 0, 0x40000000),        # x32 syscall numbers -> deny
-               (jeq, 4, 0, nr_io_uring), (jeq, 0, 2, nr_socket),
-               (ld, 0, 0, 16), (jeq, 0, 1, socket.AF_UNIX),
-               (ret, 0, 0, allow), (ret, 0, 0, deny)]
+    calls = [*denied, nr_io_uring] if block_sockets else list(denied)
+    sockets = [(jeq, 0, 2, nr_socket), (ld, 0, 0, 16), (jeq, 0, 1, socket.AF_UNIX)]
+    rest = len(calls) + (len(sockets) if block_sockets else 0)  # instructions before `allow`
+    program = [(ld, 0, 0, 4), (jeq, 0, rest + 3, audit_arch),  # wrong ABI -> deny
+               (ld, 0, 0, 0), (jge, rest + 1, 0, 0x40000000)]  # x32 syscall numbers -> deny
+    program += [(jeq, rest - k, 0, nr) for k, nr in enumerate(calls)]
+    program += (sockets if block_sockets else []) + [(ret, 0, 0, allow), (ret, 0, 0, deny)]
     words = (c | jt << 16 | jf << 24 | k << 32 for c, jt, jf, k in program)
     filters = (ctypes.c_uint64 * len(program))(*words)
     fprog = struct.pack("HxxxxxxQ", len(program), ctypes.addressof(filters))
@@ -218,10 +226,11 @@ def _lock_down(cfg, folder, request_r, out_w, err_w, status_w):
     elif cfg["mode"] == "userns":
         _drop_capabilities()
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
-    if cfg["block_sockets"]:
-        _block_sockets()
+    if ARCH:
+        _seccomp(cfg["block_sockets"])
     limits = [(resource.RLIMIT_AS, cfg["memory_bytes"]), (resource.RLIMIT_FSIZE, FILE_BYTES),
-              (resource.RLIMIT_NOFILE, OPEN_FILES), (resource.RLIMIT_CORE, 0)]
+              (resource.RLIMIT_NOFILE, OPEN_FILES), (resource.RLIMIT_CORE, 0),
+              (resource.RLIMIT_MSGQUEUE, 0)]  # POSIX message queues would reach the next program
     if cfg["nproc_limit"]:
         limits.append((resource.RLIMIT_NPROC, PROCESSES))
     for kind, limit in limits:
@@ -240,8 +249,10 @@ def _snippet(cfg, folder, request_r, out_w, err_w, status_w, prefault):
     import types
 
     import numpy
+    import sympy.core.random
     random.seed()          # forked children would otherwise all draw the worker's random numbers
     numpy.random.seed()
+    sympy.core.random.seed()
     main = types.ModuleType("__main__")
     sys.modules["__main__"] = main
     sys.argv = ["-c"]
@@ -254,7 +265,7 @@ def _snippet(cfg, folder, request_r, out_w, err_w, status_w, prefault):
     request = json.loads(request)
     cpu = max(1, math.ceil(request["timeout"]))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    exit_code, last_words = 0, b""
+    exit_code, last_words, snippet_pid = 0, b"", os.getpid()
     try:
         exec(compile(request["code"], "<string>", "exec"), main.__dict__)
     except SystemExit as e:  # as the interpreter does: None is 0, a number the code, else printed
@@ -268,11 +279,13 @@ def _snippet(cfg, folder, request_r, out_w, err_w, status_w, prefault):
             traceback.print_exception(type(e), e, tb)
         except BaseException:
             pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
+    for end in (threading._shutdown, atexit._run_exitfuncs, sys.stdout.flush, sys.stderr.flush):
+        try:  # as the interpreter ends: join its threads, run its atexit functions, flush
+            end()
         except BaseException:
             pass
+    if os.getpid() != snippet_pid:  # a child it forked, ending as the interpreter would
+        os._exit(exit_code & 0xFF)
     try:
         os.write(3, last_words + b"x" + bytes([exit_code & 0xFF]))
     except OSError:
@@ -369,6 +382,9 @@ def _worker_setup(cfg):
     report["network"] = ("empty network namespace (no interface up)" if mode != "none" else
                          "sockets other than AF_UNIX blocked (seccomp)" if cfg["block_sockets"] else
                          "NOT blocked (no namespace, no seccomp on this architecture)")
+    report["kernel"] = ("keyrings and System V memory refused (seccomp), no POSIX message queues"
+                        if ARCH else "keyrings and System V memory NOT refused (no seccomp on this "
+                        "architecture), no POSIX message queues")
     report["user"] = ("nobody (65534), no groups, no capabilities" if cfg["as_nobody"] else
                       "caller's uid, no capabilities" if mode == "userns" else "caller's uid")
     report["processes"] = (f"at most {PROCESSES} ({cfg['process_cap']})" if cfg["process_cap"] else

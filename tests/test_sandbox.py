@@ -262,15 +262,15 @@ def test_folders_nested_past_the_recursion_limit_leave_the_next_program_unharmed
 
 
 SHARED_MEMORY = ("import ctypes\nlibc = ctypes.CDLL(None)\nlibc.shmat.restype = ctypes.c_void_p\n"
-                 "segment = libc.shmget(4242, 16 << 20, 0o1666)\naddress = libc.shmat(segment, None, 0)\n"
-                 "ctypes.memset(address, 7, 16 << 20)\nlibc.shmdt(ctypes.c_void_p(address))\nprint(segment)")
+                 "segment = libc.shmget(4242, 16 << 20, 0o1666)\nprint(segment, flush=True)\naddress = libc.shmat(segment, None, 0)\n"
+                 "ctypes.memset(address, 7, 16 << 20)\nlibc.shmdt(ctypes.c_void_p(address))")
 
 
-def test_shared_memory_a_program_leaves_is_gone_for_the_next_one_and_the_host():
-    """System V shared memory outlives its process: left by one program, it would be memory no limit
-    counts, kept for the whole run, and a channel to the next program."""
+def test_shared_memory_is_refused_so_none_outlives_a_program():
+    """System V shared memory outlives its process: made by one program, it would be memory no limit
+    counts, kept for the whole run, and a channel to the next program. Refused outright, none is made."""
     with SandboxPool(workers=1) as one:
-        assert one.run(SHARED_MEMORY).stdout != "-1\n"
+        assert one.run(SHARED_MEMORY).stdout == "-1\n"
         assert one.run("import ctypes\nprint(ctypes.CDLL(None).shmget(4242, 0, 0))").stdout == "-1\n"
         with open("/proc/sysvipc/shm") as f:
             assert not [line for line in f.read().splitlines()[1:] if line.split()[0] == "4242"]
@@ -287,7 +287,7 @@ def test_network_is_unreachable_even_on_loopback(pool):
 
 
 def test_report_names_every_protection(pool):
-    assert set(pool.protections) == {"isolation", "files", "proc", "cleanup", "network", "user",
+    assert set(pool.protections) == {"isolation", "files", "proc", "cleanup", "network", "kernel", "user",
                                      "processes", "limits"}
     assert pool.report.count("\n") == len(pool.protections) - 1
 
@@ -388,3 +388,45 @@ def test_each_process_of_a_node_takes_its_share_of_the_cores(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))  # one process per core: one worker each
     with SandboxPool() as pool:
         assert pool.workers == 1 and pool.run("print(6 * 7)").stdout == "42\n"
+
+
+def test_a_forked_child_that_ends_normally_does_not_end_the_program(pool):
+    """A child that falls off the end of the program ends as the interpreter would; only the program's own
+    process reports its end (the child reporting it cut the parent short)."""
+    code = ("import os, time\npid = os.fork()\nif pid == 0:\n    print('child', flush=True)\nelse:\n"
+            "    os.waitpid(pid, 0)\n    time.sleep(0.2)\n    print('parent done')")
+    result = pool.run(code)
+    assert (result.status, result.stdout) == ("ok", "child\nparent done\n")
+
+
+def test_threads_and_atexit_functions_run_as_the_program_ends(pool):
+    code = ("import atexit, threading, time\natexit.register(lambda: print('bye'))\n"
+            "threading.Thread(target=lambda: (time.sleep(0.2), print(42))).start()\nprint('hi')")
+    assert pool.run(code).stdout == "hi\n42\nbye\n"
+
+
+KERNEL_STATE = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\nrt = ctypes.CDLL('librt.so.1', use_errno=True)\n"
+                "key = libc.syscall({add_key}, b'user', b't3rl-test-key', b'secret', 6, -4)\n"
+                "shm = libc.shmget(4243, 1 << 20, 0o1666)\nmsg = libc.msgget(4244, 0o1666)\n"
+                "queue = rt.mq_open(b'/t3rl-test-queue', os.O_CREAT | os.O_RDWR, 0o666, None)\n"
+                "print(key, shm, msg, queue)")
+
+
+def test_keyrings_system_v_memory_and_message_queues_are_refused(pool):
+    """A uid's keyring outlives the program (on the host, as nobody), System V memory escapes the address-space
+    limit, a POSIX message queue would reach the next program: each call fails."""
+    add_key = {"x86_64": 248, "aarch64": 217}[os.uname().machine]
+    assert pool.run(KERNEL_STATE.format(add_key=add_key)).stdout == "-1 -1 -1 -1\n"
+
+
+def test_sympys_random_numbers_differ_between_programs(pool):
+    code = "import sympy\nprint(sympy.core.random.randint(0, 10 ** 12))"
+    assert len({pool.run(code).stdout for _ in range(3)}) == 3
+
+
+def test_the_project_folder_is_hidden_from_a_caller_elsewhere(tmp_path, monkeypatch):
+    """The caller's working folder is hidden; so is the project's, wherever the caller runs from."""
+    monkeypatch.chdir(tmp_path)
+    with SandboxPool(workers=1) as pool:
+        result = pool.run(f"import os\nprint(sorted(os.listdir({HERE!r})))")
+    assert (result.status, result.stdout) == ("ok", "[]\n")
