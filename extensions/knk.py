@@ -198,15 +198,23 @@ def smt_script(names, statements):
 _PEOPLE = re.compile(r"inhabitants:\s*([^.]*)\.")
 _PAIR = re.compile(r"([A-Za-z][\w'-]*)\s*:\s*(knight|knave)", re.IGNORECASE)
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_MARKER = re.compile(r"conclusion|final answer|the answer is|answer\s*:", re.IGNORECASE)
+_MARKER = re.compile(r"(?:in\s+)?conclusion\s*[:,]|final answer|the answer is|answer\s*:",
+                     re.IGNORECASE)
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|emph)\s*\{([^{}]*)\}")
-# a role word; "not" before it flips it; a colon, equals sign, "are" or "is" after it makes it a
-# header
-_ROLE = (r"(?P<not>\b(?i:not)\s+(?:an?\s+|the\s+)?)?\b(?P<role>(?i:knight|knave))(?i:s)?\b"
-         r"(?P<header>\s*(?::|=|\bare\b|\bis\b))?")
+# a role word; "not", "n't", "cannot (be)", "never", "no" before it flip it; a colon, equals sign,
+# "are" or "is" after it (past markdown: "**Knights**:") makes it a header
+_ROLE = (r"(?P<not>(?:\b(?i:not|cannot|never|no)|(?i:n't))\s+(?:(?i:be)\s+)?(?:an?\s+|the\s+)?)?"
+         r"\b(?P<role>(?i:knight|knave))(?i:s)?\b(?P<header>[*_]*\s*(?::|=|\bare\b|\bis\b))?")
+# what names several people at once: "Zoey, Ethan and Oliver", "neither Mia nor Liam"
+_JOINER = re.compile(r"[\s*_]*(?:,\s*and\b|,|&|\band\b|\bnor\b)?[\s*_]*", re.IGNORECASE)
+# one person given both roles: "a knight or a knave", "knight/knave", "both a knight and a knave"
+_HEDGE = re.compile(r"\s*,?\s*(?:or|and|/)\s*(?:\w+\s+){0,2}?(?:an?\s+|the\s+)?", re.IGNORECASE)
+_ROLE_LIST = re.compile(r"[\s\d().,;:*_-]*(?:(?:knights?|knaves?|and)\b[\s\d().,;:*_-]*)*",
+                        re.IGNORECASE)
 _NOT_NAMES = {"It", "He", "She", "This", "That", "Who", "Each", "Everyone", "One", "Nobody",
               "Somebody", "Someone", "Person", "Inhabitant", "Answer", "Conclusion", "Therefore",
-              "Thus", "So", "Hence", "Then"}
+              "Thus", "So", "Hence", "Then", "Solution", "Role", "Result", "Final", "Status",
+              "Identity", "Type", "Note", "Case", "Step"}
 
 
 def canonical(names, world):
@@ -232,27 +240,39 @@ def parse_assignment(answer):
 def answer_region(text, names):
     """Where a rollout states its answer: its \\boxed{...} contents (joined; those that name one of
     the puzzle's `names`, when some do: a copy of the instruction's \\boxed{Name: knight, ...} is
-    no answer), else what follows its last "conclusion" / "final answer" / "the answer is" /
-    "answer:", else None."""
+    no answer), else its last <answer>...</answer>, else what follows its last "conclusion" / "final answer" / "the answer is" /
+    "answer:" up to the paragraph in which every person has been named (a verification after the
+    answer is no answer), else None."""
     matches = list(_BOX.finditer(text))
     closing = closing_braces(text, matches[0].start()) if matches else {}
     boxes = [text[m.end():closing[m.end() - 1]] for m in matches if m.end() - 1 in closing]
     boxes = [b for b in boxes if b]
     naming = [b for b in boxes if any(re.search(rf"\b{re.escape(n)}\b", b, re.IGNORECASE)
                                       for n in names)]
-    boxes = naming or boxes
-    if boxes:
+    boxes = naming or boxes or re.findall(r"<answer>(.*?)</answer>", text, re.DOTALL)[-1:]
+    if boxes:  # else the <answer> tag R1-style rollouts close (Logic-RL's K&K format)
         return "\n".join(boxes)
     markers = list(_MARKER.finditer(text))
-    return text[markers[-1].end():] if markers else None
+    if not markers:
+        return None
+    region = ""
+    for paragraph in re.split(r"(\n[ \t]*\n)", text[markers[-1].end():]):
+        region += paragraph
+        if all(re.search(rf"\b{re.escape(n)}\b", region, re.IGNORECASE) for n in names):
+            break
+    return region
 
 
 def read_roles(region, names):
     """name -> bool from an answer region; None when it names somebody unknown. Name-first claims
     ("Zoey is a knight", "Zoey and Ethan are knights", "Zoey: knight") and headers ("Knights: Zoey,
     Ethan") are read, names in any case; a header lasts until the end of its sentence, line or
-    clause; a later claim about a person wins, and a person given both roles in one clause ("could
-    be a knight or a knave") has none."""
+    clause (one that ends its line, over the lines below it up to a blank one); names wait for a
+    role within their clause and only when joined as a list ("Zoey is unknown, Ethan is a knight"
+    gives Zoey none); "not", "isn't", "cannot be", "is no" and "neither ... nor" negate; a later
+    claim about a person wins, and a person given both roles in one clause ("could be a knight or a
+    knave", "knight/knave") has none. A bare list of roles is read in the puzzle's order only when
+    the region holds nothing else."""
     region = _LATEX_TEXT.sub(r"\1", region).replace("\\\\", "\n").replace("$", " ")
     claimed = re.findall(r"\b([A-Z][a-z]+)\s*(?:(?:is|was)\s+(?:also\s+|not\s+)*(?:an?|the)\s+"
                          r"|[:=-]\s*)(?i:knight|knave)", region)
@@ -264,31 +284,39 @@ def read_roles(region, names):
     any_case = re.IGNORECASE if not re.search(spelled, region) else 0
     token = re.compile("(?P<name>" + spelled + ")|" + _ROLE + r"|(?P<stop>[.;\n])", any_case)
     roles, pending, header, order, last, last_end = {}, [], None, [], [], 0
+    block, clause, named_end = False, 0, 0
     for m in token.finditer(region):
         if m.group("name"):
             name = known[m.group("name").lower()]
-            if header is None:
+            if header is not None:
+                roles[name] = header
+            elif pending and _JOINER.fullmatch(region[named_end:m.start()]):
                 pending.append(name)
             else:
-                roles[name] = header
+                pending = [name]
+            named_end = m.end()
         elif m.group("role"):
             knight = (m.group("role").lower() == "knight") != bool(m.group("not"))
             order.append(knight)
             if m.group("header") and not pending:
                 header = knight
+                block = not region[m.end():].split("\n", 1)[0].strip(" \t*_")  # ends its line
             elif pending:
-                roles.update({name: knight for name in pending})
+                neither = re.search(r"\bneither\b", region[clause:m.start()], re.IGNORECASE)
+                roles.update({name: knight != bool(neither) for name in pending})
                 pending, header, last, last_end = [], None, pending, m.end()
             else:
                 header = None
-                between = region[last_end:m.start()]
-                hedged = re.fullmatch(r"\s*,?\s*or\s+(?:an?\s+|the\s+)?", between)
+                hedged = _HEDGE.fullmatch(region[last_end:m.start()])
                 if hedged and any(roles[name] != knight for name in last):  # "a knight or a knave"
                     roles.update({name: None for name in last})
         else:
-            header, last = None, []
+            blank = not region[m.end():].split("\n", 1)[0].strip()
+            if not (block and header is not None and m.group("stop") == "\n" and not blank):
+                header, block = None, False
+            last, pending, clause = [], [], m.end()
     # a bare list of roles, in the puzzle's order
-    if not roles and not pending and len(order) == len(names):
+    if not roles and not pending and len(order) == len(names) and _ROLE_LIST.fullmatch(region):
         roles = dict(zip(names, order))
     return roles
 
@@ -460,8 +488,9 @@ def smt_solve(script):
         return {"verdict": str(verdict)}
     declared = re.findall(r"\(declare-(?:const\s+([^\s()]+)|fun\s+([^\s()]+)\s*\(\s*\))"
                           r"\s+Bool\s*\)", script)
-    # unconstrained ones too
-    everyone = {**{a or b: z3.Bool(a or b) for a, b in declared}, **people(conjuncts)}
+    # unconstrained ones too; |Zoey| is the symbol Zoey
+    everyone = {**{(a or b).strip("|"): z3.Bool((a or b).strip("|")) for a, b in declared},
+                **people(conjuncts)}
     model = {name: z3.is_true(solver.model().eval(x, model_completion=True))
              for name, x in everyone.items()}
     solver.add(z3.Or([x != z3.BoolVal(model[name]) for name, x in everyone.items()]))
@@ -493,7 +522,9 @@ def smt_tool(scripts, sandbox=None):
         if found["verdict"] == "asserts facts":
             status, result = "hardcoded", "asserts " + ", ".join(found["facts"])
         else:
-            model = found.get("model")
+            # a quoted symbol may hold any text (|Zoey: knave|): only plain names are people
+            model = {name: role for name, role in (found.get("model") or {}).items()
+                     if re.fullmatch(r"[A-Za-z][\w'-]*", name)}
             status = "ok"
             result = (canonical(list(model), model) if found["verdict"] == "unique"
                       else found["verdict"])

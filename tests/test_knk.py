@@ -93,6 +93,15 @@ GOLD_4 = "Zoey: knight, Ethan: knight, Michael: knave, Samuel: knave"
     "\\boxed{samuel: knave, zoey: knight, michael: knave, ethan: knight}",
     # a role word later in the clause is no hedge
     "\\boxed{Zoey is a knight, since a knave would lie; Ethan: knight, Michael: knave, Samuel: knave}",
+    # markdown headers, a header over the lines below it, negations, R1's answer tag, a verification after
+    "Final answer:\n**Knights**: Zoey, Ethan\n**Knaves**: Michael, Samuel\n\nSo there are 2 knights and 2 knaves.",
+    "Final answer:\nKnights:\n- Zoey\n- Ethan\nKnaves:\n- Michael\n- Samuel",
+    "Final answer: Zoey isn't a knave, Ethan cannot be a knave, Michael is no knight, Samuel is not a knight.",
+    "Final answer: Zoey and Ethan are knights. Neither Michael nor Samuel is a knight.",
+    "<think>Zoey must be a knave?</think><answer>(1) Zoey is a knight\n(2) Ethan is a knight\n(3) Michael is a "
+    "knave\n(4) Samuel is a knave</answer>",
+    "CONCLUSION:\n(1) Zoey is a knight\n(2) Ethan is a knight\n(3) Michael is a knave\n(4) Samuel is a knave\n\n"
+    "Verification: if Samuel were a knight, Ethan would be a knave, a contradiction.",
 ])
 def test_knk_answer_spellings_read_as_the_canonical_assignment(text):
     assert knk.extract_answer(text, KNK_4["problem"]) == GOLD_4 == KNK_4["answer"]
@@ -106,9 +115,24 @@ def test_knk_answer_spellings_read_as_the_canonical_assignment(text):
     "\\boxed{knight, knave}",                                                          # two roles for four
     "\\boxed{Zoey: knight, Ethan: knight, Michael: knave, Samuel: could be a knight or a knave}",  # hedged
     "\\boxed{Zoey: knight, Ethan: knight, Michael: knave, Samuel: knave, and Mia is also a knave}",  # Mia is not there
+    "CONCLUSION:\n(1) Zoey\n(2) Ethan is a knight\n(3) Michael is a knave\n(4) Samuel is a knave",  # Zoey has no role
+    "Final answer: Zoey is unknown, Ethan is a knight, Michael is a knave, Samuel is a knave.",
+    "Final answer: Zoey: knight/knave, Ethan: knight, Michael: knave, Samuel: knave",                 # hedged
+    "Final answer: Zoey is both a knight and a knave; Ethan is a knight; Michael is a knave; Samuel is a knave.",
 ])
 def test_knk_unknown_name_or_missing_person_gives_no_answer(text):
     assert knk.extract_answer(text, KNK_4["problem"]) is None
+
+
+def test_knk_wrong_answers_spelled_as_headers_or_negations_read_as_what_they_say():
+    """A wrong answer must not read as the gold: the roles in bold headers, "neither ... nor", and a sentence of
+    role words without names on a two-person puzzle (once read as a list in the puzzle's order)."""
+    wrong = "Final answer:\n**Knights**: Michael, Samuel\n**Knaves**: Zoey, Ethan\n\nSo there are 2 knights and 2 knaves."
+    assert knk.extract_answer(wrong, KNK_4["problem"]) == "Zoey: knave, Ethan: knave, Michael: knight, Samuel: knight"
+    neither = "Final answer: Zoey and Ethan are knights. Neither Michael nor Samuel is a knave."
+    assert not knk.is_equiv(knk.extract_answer(neither, KNK_4["problem"]), GOLD_4)
+    two = next(r for r in KNK if len(r["names"]) == 2)
+    assert knk.extract_answer("Final answer: I could not tell who is a knight and who is a knave.", two["problem"]) is None
 
 
 def test_knk_equal_assignments_vote_together_and_grade_equal():
@@ -157,6 +181,16 @@ def test_knk_tool_verifies_a_right_script_and_mismatches_a_wrong_assignment(knk_
     results = verify_knk([smt_block(reference_smt(KNK_4))] * 2, [right, wrong], knk_pool)
     assert [(r.v, r.status) for r in results] == [(1, "verified"), (0, "mismatch")], [r.output for r in results]
     assert knk.same_answer(results[1].result, right)  # the solver found the right one, not the rollout's
+
+
+def test_knk_quoted_symbols_are_the_plain_names_and_hold_no_answer_text(knk_pool):
+    """|Zoey| is the symbol Zoey (not a second, free constant); a symbol quoting an assignment, |Zoey: knave|, is no
+    person and cannot write itself into the solver's result."""
+    right, wrong = KNK_4["answer"], flip_one(KNK_4["answer"], 0)
+    quoted = reference_smt(KNK_4).replace("(declare-const Zoey Bool)", "(declare-const |Zoey| Bool)")
+    injected = reference_smt(KNK_4) + "\n(declare-const |Zoey: knave| Bool)\n(assert (= |Zoey: knave| Zoey))"
+    results = verify_knk([smt_block(quoted), smt_block(injected)], [right, wrong], knk_pool)
+    assert [(r.v, r.status) for r in results] == [(1, "verified"), (0, "mismatch")], [r.output for r in results]
 
 
 def test_knk_script_asserting_the_candidate_is_caught(knk_pool):
