@@ -22,6 +22,7 @@ exact top-p) at a uniform drawn per prompt from its own seed, so what a prompt g
 seed alone, not on the prompts beside it. `token_ids` are the sampled ids, ending with the
 end-of-sequence token when finish_reason is "eos" (GRPO trains on it). docs/sampler.md: the design.
 """
+import numbers
 import sys
 from dataclasses import dataclass
 
@@ -94,9 +95,9 @@ def decode_texts(rows, tokenizer):
 
 def checked_arguments(model, tokenizer, prompts, n, sampling: Sampling, seed):
     """(prompt ids, end-of-sequence ids, one seed per prompt); ValueError naming a bad argument."""
-    if not isinstance(n, int) or n < 1 or sampling.max_new_tokens < 1:
-        raise ValueError(f"n={n!r}, max_new_tokens={sampling.max_new_tokens!r}: both >= 1")
-    if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+    if not all(type(x) is int and x >= 1 for x in (n, sampling.max_new_tokens)):
+        raise ValueError(f"n={n!r}, max_new_tokens={sampling.max_new_tokens!r}: ints >= 1")
+    if not sampling.temperature >= 0 or not 0 < sampling.top_p <= 1:  # NaN fails both
         raise ValueError(f"temperature {sampling.temperature} (>= 0, 0 greedy) and top_p "
                          f"{sampling.top_p} (in (0, 1]) out of range")
     if isinstance(prompts, str) or not prompts:
@@ -110,12 +111,18 @@ def checked_arguments(model, tokenizer, prompts, n, sampling: Sampling, seed):
     eos = [] if sampling.ignore_eos else eos_ids(model, tokenizer)
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
-    if isinstance(seed, int):
-        seed = torch.randint(0, 2**62, (len(ids),),
-                             generator=torch.Generator().manual_seed(seed)).tolist()
-    if len(seed) != len(ids) or not all(isinstance(s, int) for s in seed):
-        raise ValueError(f"seed: pass None, an int, or {len(ids)} ints (one per prompt)")
-    return ids, eos, list(seed)
+    one = isinstance(seed, numbers.Integral)
+    seeds = [seed] if one else list(seed) if isinstance(seed, (list, tuple)) else []
+    # an int a torch generator takes (numpy's too), not a bool
+    if len(seeds) != (1 if one else len(ids)) or not all(
+            isinstance(s, numbers.Integral) and not isinstance(s, bool) and -2**63 <= s < 2**64
+            for s in seeds):
+        raise ValueError(f"seed: pass None, an int, or {len(ids)} ints (one per prompt), each in "
+                         f"[-2^63, 2^64)")
+    if one:
+        seeds = torch.randint(0, 2**62, (len(ids),),
+                              generator=torch.Generator().manual_seed(int(seed))).tolist()
+    return ids, eos, [int(s) for s in seeds]
 
 
 def eos_ids(model, tokenizer) -> list:
@@ -151,7 +158,7 @@ def generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed: int, 
                              device=device)
     greedy = sampling.temperature == 0  # n greedy rows of a prompt are one, decoded once
     # every option set: transformers fills unset ones from the checkpoint (Qwen: top_k=20)
-    options = {} if greedy else dict(temperature=sampling.temperature, top_p=sampling.top_p,
+    options = {} if greedy else dict(temperature=float(sampling.temperature), top_p=sampling.top_p,
                                      top_k=0)
     config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=not greedy,
                               num_return_sequences=1 if greedy else n, repetition_penalty=1.0,
@@ -173,7 +180,7 @@ def generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed: int, 
     for k, tokens in enumerate(out[:, width:].tolist()):
         stop = next((i for i, t in enumerate(tokens) if t in eos), None)
         kept, reason = (tokens, "length") if stop is None else (tokens[:stop + 1], "eos")
-        rows += [Completion(prompt_ids[k // (1 if greedy else n)], kept, None, reason)
+        rows += [Completion(prompt_ids[k // (1 if greedy else n)], list(kept), None, reason)
                  for _ in range(n if greedy else 1)]
     return rows
 

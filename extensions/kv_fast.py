@@ -29,7 +29,9 @@ from tqdm import tqdm
 
 from machinery.runs import release_freed_memory
 from sampler import (Completion, KVCache, Linear, Sampling, checked_arguments, decode_texts,
-                     forward, model_weights, rotary_tables, row_uniforms, sample_next)
+                     forward, model_weights, rotary_tables, row_uniforms, sample_next,
+                     unsupported_reason)
+from sampler import generate as plain_generate
 
 COMPACT_WHEN_FINISHED = 1 / 8  # compact the batch once this fraction of its rows has finished
 # padded tokens per prefill forward: bounds its activations (the float32 attention scores grow
@@ -59,7 +61,10 @@ def hold_verifier(model, tokenizer, dtype, device):
 
 
 def generate(model, tokenizer, prompts, n: int, sampling: Sampling, *, seed=None, progress=None):
-    """sampler.generate through the fast path: n Completions for each prompt, a list per prompt."""
+    """sampler.generate through the fast path: n Completions for each prompt, a list per prompt. A
+    model the kv sampler does not run samples as sampler.generate's kv does: with hf, said."""
+    if unsupported_reason(model):
+        return plain_generate(model, tokenizer, prompts, n, sampling, seed=seed, backend="kv")
     prompt_ids, eos, seeds = checked_arguments(model, tokenizer, prompts, n, sampling, seed)
     with torch.inference_mode():
         rows = generate_rows(model, prompt_ids, n, sampling, seeds, eos, progress)

@@ -205,15 +205,31 @@ def test_generate_leaves_a_training_model_in_train_mode(tokenizer):
         assert model.training and model.generation_config.eos_token_id == eos
 
 
-def test_other_architectures_fall_back_to_hf(tokenizer, capsys):
+@pytest.mark.parametrize("backend", ["kv", "kv-fast"])
+def test_other_architectures_fall_back_to_hf(tokenizer, capsys, backend):
     config = GPT2Config(vocab_size=64, n_positions=64, n_embd=32, n_layer=1, n_head=2,
                         eos_token_id=63)
     torch.manual_seed(0)
     model = GPT2LMHeadModel(config).eval()
-    kv = sample(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend="kv")
+    kv = sample(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend=backend)
     hf = sample(model, None, [[1, 2, 3]], n=2, max_new_tokens=5, temperature=0, backend="hf")
     assert "sampling with hf" in capsys.readouterr().err
     assert token_rows(kv) == token_rows(hf)
+
+
+@pytest.mark.parametrize("backend", ["kv", "kv-fast"])
+@pytest.mark.parametrize("change", [dict(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+                                    dict(hidden_act="gelu")])
+def test_a_qwen2_variant_the_kv_sampler_lacks_samples_as_hf_does(capsys, backend, change):
+    """A sliding window or another activation: the kv loops would compute another model's tokens."""
+    model = small_vocab_model()
+    for key, value in change.items():
+        setattr(model.config, key, value)
+    model = type(model)(model.config).eval()  # built with the variant
+    prompt = [list(range(1, 12))]
+    kv = sample(model, None, prompt, max_new_tokens=8, temperature=0, backend=backend, ignore_eos=True)
+    hf = sample(model, None, prompt, max_new_tokens=8, temperature=0, backend="hf", ignore_eos=True)
+    assert "sampling with hf" in capsys.readouterr().err and token_rows(kv) == token_rows(hf)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -224,10 +240,24 @@ def test_other_architectures_fall_back_to_hf(tokenizer, capsys):
     (dict(prompts="just a string"), "list"),
     (dict(prompts=[[]]), "at least one token"),
     (dict(seed=[1, 2]), "seed"),
+    (dict(temperature=float("nan")), "temperature"),  # NaN passed `< 0` and crashed in the loop
+    (dict(seed=2 ** 64), "seed"), (dict(seed=True), "seed"), (dict(n=True), "n=True"),
+    (dict(max_new_tokens=1.5), "max_new_tokens"),
 ])
 def test_bad_arguments_raise_a_clear_error(tokenizer, kwargs, match):
     args = dict(prompts=PROMPTS, n=2, max_new_tokens=4) | kwargs
     with pytest.raises(ValueError, match=match):
         sample(make_tiny_model(len(tokenizer)), tokenizer, **args)
 
+
+def test_a_numpy_seed_is_a_seed(tokenizer):
+    import numpy
+    model = make_tiny_model(len(tokenizer))
+    assert token_rows(sample(model, tokenizer, PROMPTS, seed=numpy.int64(3), max_new_tokens=4)) == \
+        token_rows(sample(model, tokenizer, PROMPTS, seed=3, max_new_tokens=4))
+
+
+def test_greedy_hf_rows_are_lists_of_their_own():
+    rows = sample(small_vocab_model(), None, [[1, 2, 3]], n=2, max_new_tokens=3, temperature=0, backend="hf")[0]
+    assert rows[0].token_ids == rows[1].token_ids and rows[0].token_ids is not rows[1].token_ids
 
