@@ -119,9 +119,11 @@ def _sentence_answer(text, match):
             if "." in between or not _BOX_JOINER.fullmatch(between):
                 break
             run.append(span)
+        if not re.match(r"[\s*_]*(?:[.!;\n]|$)", rest[run[-1][1]:]):
+            run = run[:1]  # the sentence goes on: '$5$, and $5^2 = 25$ confirms it' answers 5
         return ", ".join(content for _, _, content in run if content) or None
     answer = re.split(r"\.(?:\s|$)|\n|\sI hope\b", rest)[0]
-    return answer.strip().strip("$*").strip() or None
+    return answer.strip().strip("$*_").strip() or None
 
 
 def extract_answer(text):
@@ -148,8 +150,9 @@ def extract_answer(text):
     box_start, boxed = _last_run(text, _boxes(text))
     finals = [m for m in _FINAL_ANSWER.finditer(text) if box_start is None or m.start() > box_start]
     final = _sentence_answer(text, finals[-1]) if finals else None
-    # words without a digit or math ("the final answer is in the box above") leave the box
-    if final and (boxed is None or re.search(r"\d", final)
+    # words, three or more without a digit or math ("the final answer is in the box above"),
+    # leave the box; "C", "(C)", "five", "\pi" replace it
+    if final and (boxed is None or re.search(r"[\d\\]", final) or len(final.split()) < 3
                   or _MATH_SPAN.match(_EMPHASIS.sub("", text[finals[-1].end():]))):
         return final
     if boxed is not None:
@@ -283,6 +286,9 @@ def _strip_presentation(s):
     for old, new in _UNICODE.items():
         s = s.replace(old, new)
     s = _strip_delimiters(s)
+    if s[:1] == "{" and closing_braces(s).get(0) == len(s) - 1 and \
+            not re.search(r"\\(?:choose|over|atop|brace)\b", s):
+        s = s[1:-1].strip()  # a bare group, '{1,3}', prints as its content: a list
     s = re.sub(r"\\(?:left|right)\s*[.]", "", s)
     s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
@@ -304,7 +310,12 @@ def _strip_presentation(s):
             break
         s = stripped
     s = re.sub(r"\s*\\text\{\s*and\s*\}\s*|\s+and\s+", ", ", s)  # "p=-1 \text{ and } p=2": a list
-    s = re.sub(r"\s*\\text\{\s*or\s*\}\s*|\s+or\s+", r"\\text{or}", s)  # _structure reads it
+    # "or" written out, and in words between values outside any group ('x=-1 or x=2', not
+    # '\text{yes or no}'): _structure reads it
+    s = re.sub(r"\s*\\text\{\s*or\s*\}\s*", r"\\text{or}", s)
+    if re.search(r"[\d=]", s):
+        s = re.sub(r"\s+or\s+", lambda m: r"\text{or}" if s[:m.start()].count("{") ==
+                   s[:m.start()].count("}") else m.group(0), s)
     s = _SPACING.sub(" ", s).strip()
     # '58,500' is a number; '32, 349' is a list
     if re.fullmatch(r"[-+]?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?", s):
@@ -386,14 +397,15 @@ def _structure(s):
     list."""
     s = "".join(s.split())
     s = re.sub(r"^[a-zA-Z]\\in(?=.)", "", s)  # 'x \in [-2,7]'
-    if s[:1] == "{" and closing_braces(s).get(0) == len(s) - 1:
-        s = s[1:-1]  # a bare group, '{1,3}', prints as its content: a list
-    # 'x=-1 or x=2': the roots, a list ('x<1 or x>2', a union of intervals, is read below)
+    # 'x=-1 or x=2', '(1,2) or (3,4)': the roots, a list; intervals ('x<1 or x>2',
+    # '(-\infty,1) or (2,\infty)') make a union, read below; 'x=1 or y=2' and 'p \lor q' stay
     alternatives = [p for part in _split_top(s, r"\text{or}") for p in _split_top(part, r"\lor")]
-    if len(alternatives) > 1 and not all(map(_interval_or_none, map(_relations, alternatives))):
+    labels = {m.group(1) for m in map(_LABELLED.fullmatch, alternatives) if m}
+    if len(alternatives) > 1 and len(labels) <= 1 and re.search(r"[\d=]", s) and \
+            not re.search(r"[<>\[\]]|\\infty", s):
         s = ",".join(alternatives)
     chain = _split_top(s, "=")
-    if (len(chain) > 2 and len(_split_top(s, ",")) == 1 and chain[-1]
+    if (len(chain) > 2 and len(_split_top(s, ",")) == 1 and chain[-1] and r"\text{or}" not in s
             and not re.search(r"[<>!]$", chain[-2])):  # 'x = 5+5+1 = 11': the last value
         s = chain[-1]
     label = _LABELLED.fullmatch(s)

@@ -46,6 +46,9 @@ from voting import answer_classes
     ("So $\\boxed{4}$. The final answer is in the box above.", "4"),
     ("The answer is $x = 3$ or $x=5$.", "x = 3, x=5"),
     ("The answer is $5$. Then $6$.", "5"),
+    ("The answer is $5$, and $5^2 = 25$ confirms it.", "5"),  # the sentence goes on past its spans
+    ("First \\boxed{A}. Wait. The final answer is C.", "C"),  # a letter after a box still replaces it
+    ("The final answer is __7__.", "7"),
 ])
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
@@ -82,7 +85,9 @@ EQUIV = [  # (pred, gold) pairs that are equal, one or more per category of the 
     ("0.0833333333333333", "\\frac{1}{12}"),                                               # a printed double
     ("1+\\mathrm{i}", "1+i"), ("\\mathrm{e}^{-1}", "\\frac1e"), ("\\text{e}^2", "e^2"),          # upright e, i
     ("x=-1 \\text{ or } x=2", "-1, 2"), ("x=1 \\lor x=2", "2,1"), ("1 or 2", "1,2"),             # roots with or
-    ("{1,3}", "1,3"),                                                                      # a bare group
+    ("{1,3}", "1,3"), ("{1,000}", "1000"), ("{10 \\choose 3}", "120"),                      # a bare group
+    ("\\text{Yes or No}", "Yes or No"), ("(1,2) or (3,4)", "(1,2), (3,4)"),                  # or, not a list
+    ("(-\\infty,1) \\text{ or } (2,\\infty)", "(-\\infty,1)\\cup(2,\\infty)"),
 ]
 
 
@@ -100,6 +105,7 @@ NOT_EQUIV = [  # near misses
     ("1+\\mathrm{e}", "1-\\mathrm{e}"), ("3+4\\mathrm{i}", "7"), ("2\\mathrm{i}", "2"),         # upright e, i
     ("x=-1 \\text{ or } x=2", "2"), ("x=1 \\quad\\text{or}\\quad x=2", "2"),                   # not the last root
     ("(3,1)", "{1,3}"), ("0,111", "111"),                                     # a tuple is no list; 0,111 no number
+    ("x=1 or y=2", "(1,2)"), ("x=1 or y=2", "2"), ("p \\lor q", "p, q"),       # or between names, in logic
 ]
 
 
