@@ -95,7 +95,8 @@ def decode_texts(rows, tokenizer):
 
 def checked_arguments(model, tokenizer, prompts, n, sampling: Sampling, seed):
     """(prompt ids, end-of-sequence ids, one seed per prompt); ValueError naming a bad argument."""
-    if not all(type(x) is int and x >= 1 for x in (n, sampling.max_new_tokens)):
+    if not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 1
+               for x in (n, sampling.max_new_tokens)):
         raise ValueError(f"n={n!r}, max_new_tokens={sampling.max_new_tokens!r}: ints >= 1")
     if not sampling.temperature >= 0 or not 0 < sampling.top_p <= 1:  # NaN fails both
         raise ValueError(f"temperature {sampling.temperature} (>= 0, 0 greedy) and top_p "
@@ -112,7 +113,7 @@ def checked_arguments(model, tokenizer, prompts, n, sampling: Sampling, seed):
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)))
     one = isinstance(seed, numbers.Integral)
-    seeds = [seed] if one else list(seed) if isinstance(seed, (list, tuple)) else []
+    seeds = [seed] if one else list(seed) if isinstance(seed, (list, tuple, range)) else []
     # an int a torch generator takes (numpy's too), not a bool
     if len(seeds) != (1 if one else len(ids)) or not all(
             isinstance(s, numbers.Integral) and not isinstance(s, bool) and -2**63 <= s < 2**64

@@ -74,9 +74,9 @@ def weighted_vote(answers, verified, omega=5.0, same=None, key=None) -> Vote:
 
 def vote_weights(verified, omega) -> list:
     """w_i = (1 - v_i) + v_i * omega as Fractions; at omega = inf, v_i (all 1 when no v_i is 1)."""
-    if omega == float("inf"):
-        return [Fraction(v) for v in verified] if any(verified) else [Fraction(1)] * len(verified)
-    return [(1 - v) + v * Fraction(repr(float(omega))) for v in verified]
+    if omega == float("inf"):  # int(v): numpy's bools too
+        return [Fraction(int(v) if any(verified) else 1) for v in verified]
+    return [(1 - int(v)) + int(v) * Fraction(repr(float(omega))) for v in verified]
 
 
 def rank_classes(classes, weights) -> list:

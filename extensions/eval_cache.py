@@ -133,7 +133,8 @@ def well_formed(entry, ids: list) -> bool:
                 and all(r.keys() == x[0].keys() and len(r.get("runs", ())) ==
                         len(x[0].get("runs", ())) for r in x))
     return (isinstance(entry, dict) and rows(entry.get("rows"))
-            and [r.get("id") for r in entry["rows"]] == ids and "greedy@1" in entry["rows"][0]
+            and [r.get("id") for r in entry["rows"]] == ids
+            and all("greedy@1" in r for r in entry["rows"])
             and isinstance(entry.get("votes"), dict) and all(map(rows, entry["votes"].values())))
 
 

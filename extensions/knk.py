@@ -198,15 +198,18 @@ def smt_script(names, statements):
 _PEOPLE = re.compile(r"inhabitants:\s*([^.]*)\.")
 _PAIR = re.compile(r"([A-Za-z][\w'-]*)\s*:\s*(knight|knave)", re.IGNORECASE)
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-_MARKER = re.compile(r"(?:in\s+)?conclusion\s*[:,]|final answer|the answer is|answer\s*:",
-                     re.IGNORECASE)
+# "CONCLUSION:", "## Conclusion", "**Conclusion**:", "in conclusion", "the conclusion is"; not "this
+# conclusion is consistent"
+_MARKER = re.compile(r"\bin\s+conclusion\b|conclusion\b[*_#]*[ \t]*(?::|,|\n)|the conclusion is"
+                     r"|final answer|the answer is|answer\s*:", re.IGNORECASE)
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|emph)\s*\{([^{}]*)\}")
 # a role word; "not", "n't", "cannot (be)", "never", "no" before it flip it; a colon, equals sign,
 # "are" or "is" after it (past markdown: "**Knights**:") makes it a header
 _ROLE = (r"(?P<not>(?:\b(?i:not|cannot|never|no)|(?i:n't))\s+(?:(?i:be)\s+)?(?:an?\s+|the\s+)?)?"
          r"\b(?P<role>(?i:knight|knave))(?i:s)?\b(?P<header>[*_]*\s*(?::|=|\bare\b|\bis\b))?")
 # what names several people at once: "Zoey, Ethan and Oliver", "neither Mia nor Liam"
-_JOINER = re.compile(r"[\s*_]*(?:,\s*and\b|,|&|\band\b|\bnor\b)?[\s*_]*", re.IGNORECASE)
+_JOINER = re.compile(r"[\s*_,]*(?:and(?:\s+also)?|&|/|nor|plus|as\s+well\s+as|along\s+with)?"
+                     r"[\s*_,]*", re.IGNORECASE)
 # one person given both roles: "a knight or a knave", "knight/knave", "both a knight and a knave"
 _HEDGE = re.compile(r"\s*,?\s*(?:or|and|/)\s*(?:\w+\s+){0,2}?(?:an?\s+|the\s+)?", re.IGNORECASE)
 _ROLE_LIST = re.compile(r"[\s\d().,;:*_-]*(?:(?:knights?|knaves?|and)\b[\s\d().,;:*_-]*)*",
@@ -240,9 +243,9 @@ def parse_assignment(answer):
 def answer_region(text, names):
     """Where a rollout states its answer: its \\boxed{...} contents (joined; those that name one of
     the puzzle's `names`, when some do: a copy of the instruction's \\boxed{Name: knight, ...} is
-    no answer), else its last <answer>...</answer>, else what follows its last "conclusion" / "final answer" / "the answer is" /
-    "answer:" up to the paragraph in which every person has been named (a verification after the
-    answer is no answer), else None."""
+    no answer), else its last <answer>...</answer>, else what follows its last "conclusion" /
+    "final answer" / "the answer is" / "answer:" up to the paragraph in which every person has been
+    named (a verification after the answer is no answer), else None."""
     matches = list(_BOX.finditer(text))
     closing = closing_braces(text, matches[0].start()) if matches else {}
     boxes = [text[m.end():closing[m.end() - 1]] for m in matches if m.end() - 1 in closing]

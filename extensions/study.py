@@ -42,7 +42,7 @@ from config import parse_config
 from extensions import agent
 from machinery import model
 from machinery.benchmarks import load_bench
-from machinery.metrics import group_metrics
+from machinery.metrics import group_metrics, level_order
 from machinery.runs import (DataError, RunDirError, append_jsonl, drop_torn_tail, jsonl_objects,
                             read_jsonl_rows, settle, write_jsonl)
 from sampler import Sampling
@@ -84,7 +84,7 @@ def stratified(records: list[dict], limit: int, seed: int) -> list[dict]:
     """`limit` questions spread evenly over MATH levels (a seeded shuffle within each level, then
     one question of each level in turn), so a study stopped early is still balanced. Without
     levels: the first `limit`."""
-    levels = sorted({r["level"] for r in records if r.get("level") is not None})
+    levels = sorted({r["level"] for r in records if r.get("level") is not None}, key=level_order)
     if not levels:
         return records[:limit or None]
     pools = {lv: [r for r in records if r.get("level") == lv] for lv in levels}

@@ -87,7 +87,8 @@ def read_jsonl(path: Path) -> list[dict]:
                             f"as a JSON string as the solution states it, such as \"1, 2\"")
         rec["answer"] = str(answer)
         level = rec.get("level")  # by_level groups and sorts the questions by it
-        if level is not None and (not isinstance(level, (str, int)) or isinstance(level, bool)):
+        if level is not None and (not isinstance(level, (str, int, float)) or
+                                  isinstance(level, bool) or level != level):  # NaN
             raise DataError(f"{path}:{lineno}: 'level' is {json.dumps(level)[:40]}; write it as "
                             f"a number or a string, or leave it out")
         rec["id"] = str(f"{path.stem}-{lineno}" if rec.get("id") is None else rec["id"])

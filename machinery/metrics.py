@@ -201,6 +201,11 @@ def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float
     return row
 
 
+def level_order(level):
+    """Numbers first, then names: a file may give both (1, 2, "olympiad")."""
+    return isinstance(level, str), level
+
+
 def eval_metrics(rows: list[dict], k: int) -> dict:
     """One evaluation from its per-question rows (all processes): means over the questions, and
     avg@k with its spread, from each question's k run results ("runs"): run j's accuracy is the mean
@@ -215,9 +220,7 @@ def eval_metrics(rows: list[dict], k: int) -> dict:
         keys = [key for key in rows[0] if key not in ("id", "level", "runs", "greedy@1")]
         return result | {key: statistics.fmean(r[key] for r in rows) for key in keys}
     result = reduce(rows)
-    # numbers first, then names: a file may give both (1, 2, "olympiad")
-    levels = sorted({r["level"] for r in rows if r["level"] is not None},
-                    key=lambda level: (isinstance(level, str), level))
+    levels = sorted({r["level"] for r in rows if r["level"] is not None}, key=level_order)
     if levels:
         result["by_level"] = {lv: reduce([r for r in rows if r["level"] == lv]) for lv in levels}
     return result

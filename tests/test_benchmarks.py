@@ -140,7 +140,14 @@ def test_a_missing_jsonl_file_is_named_as_missing():
         benchmarks.load_bench("/no/such/mine.jsonl")
 
 
-@pytest.mark.parametrize("level", ["[1]", "true", "NaN", "1.5"])
+def test_a_level_written_as_a_float_loads(tmp_path):
+    """pandas writes integer columns with gaps as floats: 3.0 is a level."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"problem": "1+1", "answer": "2", "level": 3.0}\n')
+    assert benchmarks.load_bench(str(path))[0]["level"] == 3.0
+
+
+@pytest.mark.parametrize("level", ["[1]", "true", "NaN"])
 def test_a_level_that_is_no_number_or_name_names_its_line(tmp_path, level):
     path = tmp_path / "mine.jsonl"
     path.write_text('{"problem": "1+1", "answer": "2", "level": 1}\n{"problem": "2+2", "answer": "4", "level": '

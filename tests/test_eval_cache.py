@@ -177,6 +177,7 @@ def test_rows_of_one_evaluation_with_runs_of_other_lengths_are_evaluated_again()
     assert not eval_cache.well_formed({"rows": rows, "votes": {}}, ["a", "b"])
     rows[1]["runs"].append(0.0)
     assert eval_cache.well_formed({"rows": rows, "votes": {}}, ["a", "b"])
+    assert eval_cache.well_formed({"rows": [], "votes": {}}, [])  # no question: no row to look at
 
 
 def test_a_question_whose_level_changed_is_evaluated_again():

@@ -102,6 +102,11 @@ GOLD_4 = "Zoey: knight, Ethan: knight, Michael: knave, Samuel: knave"
     "knave\n(4) Samuel is a knave</answer>",
     "CONCLUSION:\n(1) Zoey is a knight\n(2) Ethan is a knight\n(3) Michael is a knave\n(4) Samuel is a knave\n\n"
     "Verification: if Samuel were a knight, Ethan would be a knave, a contradiction.",
+    # conclusions as headings, names joined in words
+    "## Conclusion\n- Zoey: Knight\n- Ethan: Knight\n- Michael: Knave\n- Samuel: Knave",
+    "**Conclusion**:\nZoey: Knight, Ethan: Knight, Michael: Knave, Samuel: Knave",
+    "In conclusion Zoey as well as Ethan are knights, and Michael along with Samuel are knaves.",
+    "Therefore, the conclusion is that Zoey/Ethan are knights; Michael/Samuel are knaves.",
 ])
 def test_knk_answer_spellings_read_as_the_canonical_assignment(text):
     assert knk.extract_answer(text, KNK_4["problem"]) == GOLD_4 == KNK_4["answer"]

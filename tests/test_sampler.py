@@ -250,11 +250,14 @@ def test_bad_arguments_raise_a_clear_error(tokenizer, kwargs, match):
         sample(make_tiny_model(len(tokenizer)), tokenizer, **args)
 
 
-def test_a_numpy_seed_is_a_seed(tokenizer):
+def test_a_numpy_seed_or_length_and_a_range_of_seeds_are_what_ints_are(tokenizer):
     import numpy
     model = make_tiny_model(len(tokenizer))
-    assert token_rows(sample(model, tokenizer, PROMPTS, seed=numpy.int64(3), max_new_tokens=4)) == \
+    assert token_rows(sample(model, tokenizer, PROMPTS, seed=numpy.int64(3), max_new_tokens=numpy.int64(4))) == \
         token_rows(sample(model, tokenizer, PROMPTS, seed=3, max_new_tokens=4))
+    seeds = range(len(PROMPTS))
+    assert token_rows(sample(model, tokenizer, PROMPTS, seed=seeds, max_new_tokens=4)) == \
+        token_rows(sample(model, tokenizer, PROMPTS, seed=list(seeds), max_new_tokens=4))
 
 
 def test_greedy_hf_rows_are_lists_of_their_own():

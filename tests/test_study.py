@@ -143,6 +143,11 @@ def test_study_bootstrap_interval_holds_the_estimate_and_is_seeded():
     assert study.interval(values * 0 + 1, draws) == (1.0, 1.0)
 
 
+def test_study_questions_of_numbered_and_named_levels_are_stratified():
+    records = [{"id": str(i), "level": level} for i, level in enumerate([1, "olympiad", 2, 1, "olympiad", 2])]
+    assert {r["level"] for r in study.stratified(records, 3, seed=0)} == {1, 2, "olympiad"}
+
+
 def test_study_questions_are_level_stratified_and_seeded():
     records = [{"id": str(i), "level": 1 + i % 5 if i < 80 else 5} for i in range(100)]
     picked = study.stratified(records, 25, seed=0)

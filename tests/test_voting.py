@@ -155,3 +155,12 @@ def test_an_omega_that_makes_a_tie_ties_and_the_tie_goes_to_more_rollouts(omega,
     the tie by rounding instead of by the rule."""
     vote = weighted_vote(["A"] * verified + ["B"] * unverified, [1] * verified + [0] * unverified, omega=omega)
     assert vote.label == "B" and vote.scores["A"] == vote.scores["B"] == unverified
+
+
+@pytest.mark.parametrize("omega", [5.0, float("inf")])
+def test_numpy_verdicts_vote_as_ints_do(omega):
+    import numpy
+    answers, verified = ["a", "b", "b"], [1, 0, 0] if omega == 5.0 else [0, 1, 1]
+    assert weighted_vote(answers, list(numpy.array(verified, dtype=bool)), omega).scores == \
+        weighted_vote(answers, verified, omega).scores
+
