@@ -52,6 +52,8 @@ _BOX_JOINER = re.compile(r"(?:\s|[,;.$~&]|\\[()\[\],;:! ]|\\q?quad\b|\\text\{[^{
                          r"|\b(?:and|or)\b)*")
 SHORT_RESPONSE_CHARS = 200
 _EMPHASIS = re.compile(r"^[*_\s]+")  # markdown around a stated answer: "**Final Answer:** 25"
+_POINTING_BACK = {"above", "below", "shown", "see", "boxed", "box", "correct", "indeed", "as", "is",
+                  "it", "this", "that", "the", "in"}
 
 
 def closing_braces(text, start=0):
@@ -119,8 +121,8 @@ def _sentence_answer(text, match):
             if "." in between or not _BOX_JOINER.fullmatch(between):
                 break
             run.append(span)
-        if not re.match(r"[\s*_]*(?:[.!;\n]|$)", rest[run[-1][1]:]):
-            run = run[:1]  # the sentence goes on: '$5$, and $5^2 = 25$ confirms it' answers 5
+        if len(run) > 1 and re.match(r"\s*[A-Za-z]", rest[run[-1][1]:]):
+            run = run[:-1]  # its last span is the sentence's subject: '$5$, and $5^2 = 25$ confirms
         return ", ".join(content for _, _, content in run if content) or None
     answer = re.split(r"\.(?:\s|$)|\n|\sI hope\b", rest)[0]
     return answer.strip().strip("$*_").strip() or None
@@ -150,9 +152,11 @@ def extract_answer(text):
     box_start, boxed = _last_run(text, _boxes(text))
     finals = [m for m in _FINAL_ANSWER.finditer(text) if box_start is None or m.start() > box_start]
     final = _sentence_answer(text, finals[-1]) if finals else None
-    # words, three or more without a digit or math ("the final answer is in the box above"),
-    # leave the box; "C", "(C)", "five", "\pi" replace it
-    if final and (boxed is None or re.search(r"[\d\\]", final) or len(final.split()) < 3
+    # words that point back ("in the box above", "shown above", "correct") leave the box; "C",
+    # "(C)", "five", "\pi" replace it
+    words = re.findall(r"[a-z]+", final.lower()) if final else []
+    if final and (boxed is None or re.search(r"[\d\\]", final)
+                  or not (len(words) >= 3 or set(words) <= _POINTING_BACK)
                   or _MATH_SPAN.match(_EMPHASIS.sub("", text[finals[-1].end():]))):
         return final
     if boxed is not None:
@@ -281,14 +285,20 @@ def _exact_decimals(s):
     return re.sub(r"(?<![\d.])\d*\.\d+(?![\d.])", exact, s)
 
 
+def _strip_group(s):
+    """A bare group, '{1,3}', is what it prints: its content (a \\choose inside keeps it)."""
+    if s[:1] == "{" and closing_braces(s).get(0) == len(s) - 1 and \
+            not re.search(r"\\(?:choose|over|atop|brace)(?![a-zA-Z])", s):
+        return s[1:-1].strip()
+    return s
+
+
 def _strip_presentation(s):
     r"""Presentation-free spelling of one answer (no outer structure handled here)."""
     for old, new in _UNICODE.items():
         s = s.replace(old, new)
     s = _strip_delimiters(s)
-    if s[:1] == "{" and closing_braces(s).get(0) == len(s) - 1 and \
-            not re.search(r"\\(?:choose|over|atop|brace)\b", s):
-        s = s[1:-1].strip()  # a bare group, '{1,3}', prints as its content: a list
+    s = _strip_group(s)
     s = re.sub(r"\\(?:left|right)\s*[.]", "", s)
     s = re.sub(r"\\(?:left|right|big|Big|bigg|Bigg)(?![a-zA-Z])", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
@@ -313,7 +323,7 @@ def _strip_presentation(s):
     # "or" written out, and in words between values outside any group ('x=-1 or x=2', not
     # '\text{yes or no}'): _structure reads it
     s = re.sub(r"\s*\\text\{\s*or\s*\}\s*", r"\\text{or}", s)
-    if re.search(r"[\d=]", s):
+    if re.search(r"[\d=\\]", s):
         s = re.sub(r"\s+or\s+", lambda m: r"\text{or}" if s[:m.start()].count("{") ==
                    s[:m.start()].count("}") else m.group(0), s)
     s = _SPACING.sub(" ", s).strip()
@@ -396,13 +406,16 @@ def _structure(s):
     """Key of a cleaned answer with its outer structure: matrix, tuple, interval, union, set,
     list."""
     s = "".join(s.split())
-    s = re.sub(r"^[a-zA-Z]\\in(?=.)", "", s)  # 'x \in [-2,7]'
-    # 'x=-1 or x=2', '(1,2) or (3,4)': the roots, a list; intervals ('x<1 or x>2',
+    s = _strip_group(re.sub(r"^[a-zA-Z]\\in(?=.)", "", s))  # 'x \in [-2,7]', '{30}^\circ'
+    # 'x=-1 or x=2', '(1,2) or (3,4)', '\pi or -\pi': the roots, a list; intervals ('x<1 or x>2',
     # '(-\infty,1) or (2,\infty)') make a union, read below; 'x=1 or y=2' and 'p \lor q' stay
     alternatives = [p for part in _split_top(s, r"\text{or}") for p in _split_top(part, r"\lor")]
-    labels = {m.group(1) for m in map(_LABELLED.fullmatch, alternatives) if m}
-    if len(alternatives) > 1 and len(labels) <= 1 and re.search(r"[\d=]", s) and \
-            not re.search(r"[<>\[\]]|\\infty", s):
+    labels = {re.sub(r"_.*", "", m.group(1)) for m in map(_LABELLED.fullmatch, alternatives) if m}
+    intervals = [_interval_or_none(_relations(a)) for a in alternatives]
+    union = all(intervals) and any(re.search(r"[<>]|\\infty", a) or a[0] + a[-1] != "()"
+                                   for a in alternatives)
+    values = all(re.search(r"[\d=\\]", a) for a in alternatives)
+    if len(alternatives) > 1 and len(labels) <= 1 and values and not union:
         s = ",".join(alternatives)
     chain = _split_top(s, "=")
     if (len(chain) > 2 and len(_split_top(s, ",")) == 1 and chain[-1] and r"\text{or}" not in s

@@ -198,10 +198,11 @@ def smt_script(names, statements):
 _PEOPLE = re.compile(r"inhabitants:\s*([^.]*)\.")
 _PAIR = re.compile(r"([A-Za-z][\w'-]*)\s*:\s*(knight|knave)", re.IGNORECASE)
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
-# "CONCLUSION:", "## Conclusion", "**Conclusion**:", "in conclusion", "the conclusion is"; not "this
-# conclusion is consistent"
-_MARKER = re.compile(r"\bin\s+conclusion\b|conclusion\b[*_#]*[ \t]*(?::|,|\n)|the conclusion is"
-                     r"|final answer|the answer is|answer\s*:", re.IGNORECASE)
+# "CONCLUSION:", a "## Conclusion" heading, "**Conclusion**:", "In conclusion" opening a sentence,
+# "the conclusion is that"; not "the conclusion is consistent", "our conclusion"
+_MARKER = re.compile(r"conclusion\b[*_#]*[ \t]*[:,]|^[^\n]{0,8}conclusion\b[*_#]*[ \t]*$"
+                     r"|(?:^|[.!]\s+)in\s+conclusion\b|the conclusion is that"
+                     r"|final answer|the answer is|answer\s*:", re.IGNORECASE | re.MULTILINE)
 _LATEX_TEXT = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|emph)\s*\{([^{}]*)\}")
 # a role word; "not", "n't", "cannot (be)", "never", "no" before it flip it; a colon, equals sign,
 # "are" or "is" after it (past markdown: "**Knights**:") makes it a header

@@ -264,7 +264,7 @@ def accuracy_table(correct, draws, ks, omegas, costs) -> list[str]:
 
 def level_table(rows, correct, ks, omega, seed: int, resamples: int) -> list[str]:
     """TTRL vs T3RL at `omega` per MATH level and for levels 4-5 together, each k."""
-    levels = sorted({r["level"] for r in rows if r["level"] is not None})
+    levels = sorted({r["level"] for r in rows if r["level"] is not None}, key=level_order)
     if not levels:
         return []
     groups = [(f"level {lv}", [r["level"] == lv for r in rows]) for lv in levels]
@@ -420,7 +420,7 @@ def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> s
     right = [[a is not None and equiv(a, r["gold"]) for a in r["answers"]] for r in rows]
     costs = token_costs(rows, ks)
     draws = bootstrap_draws(len(rows), seed, resamples)
-    levels = sorted({r["level"] for r in rows if r["level"] is not None})
+    levels = sorted({r["level"] for r in rows if r["level"] is not None}, key=level_order)
     title = (f"{run_dir.name}: {len(rows)} questions, k up to {ks[-1]}; "
              f"policy {cfg.get('model', '?')}, verifier {cfg.get('verifier_model', '?')}")
     per_level = ", ".join(f"level {lv}: {sum(r['level'] == lv for r in rows)}" for lv in levels)

@@ -47,6 +47,8 @@ from voting import answer_classes
     ("The answer is $x = 3$ or $x=5$.", "x = 3, x=5"),
     ("The answer is $5$. Then $6$.", "5"),
     ("The answer is $5$, and $5^2 = 25$ confirms it.", "5"),  # the sentence goes on past its spans
+    ("The final answer is $x=3$ or $x=-3$, as required.", "x=3, x=-3"),
+    ("\\boxed{5}\n\nThe final answer is above.", "5"),        # words pointing back leave the box
     ("First \\boxed{A}. Wait. The final answer is C.", "C"),  # a letter after a box still replaces it
     ("The final answer is __7__.", "7"),
 ])
@@ -87,6 +89,8 @@ EQUIV = [  # (pred, gold) pairs that are equal, one or more per category of the 
     ("x=-1 \\text{ or } x=2", "-1, 2"), ("x=1 \\lor x=2", "2,1"), ("1 or 2", "1,2"),             # roots with or
     ("{1,3}", "1,3"), ("{1,000}", "1000"), ("{10 \\choose 3}", "120"),                      # a bare group
     ("\\text{Yes or No}", "Yes or No"), ("(1,2) or (3,4)", "(1,2), (3,4)"),                  # or, not a list
+    ("\\pi or -\\pi", "\\pm\\pi"), ("x_1 = 1 or x_2 = 2", "1, 2"), ("x = \\sqrt[3]{2} or x = 1", "1, \\sqrt[3]{2}"),
+    ("{30}^\\circ", "30"),
     ("(-\\infty,1) \\text{ or } (2,\\infty)", "(-\\infty,1)\\cup(2,\\infty)"),
 ]
 

@@ -107,6 +107,12 @@ GOLD_4 = "Zoey: knight, Ethan: knight, Michael: knave, Samuel: knave"
     "**Conclusion**:\nZoey: Knight, Ethan: Knight, Michael: Knave, Samuel: Knave",
     "In conclusion Zoey as well as Ethan are knights, and Michael along with Samuel are knaves.",
     "Therefore, the conclusion is that Zoey/Ethan are knights; Michael/Samuel are knaves.",
+    "Step 3: Conclusion\nZoey is a knight, Ethan is a knight, Michael is a knave, Samuel is a knave.",
+    # prose after the answer that mentions a conclusion is no marker
+    "Final answer: Zoey is a knight, Ethan is a knight, Michael is a knave, Samuel is a knave.\n\n"
+    "Thus the conclusion is consistent.",
+    "Final answer: Zoey is a knight, Ethan is a knight, Michael is a knave, Samuel is a knave. No contradiction "
+    "in conclusion.",
 ])
 def test_knk_answer_spellings_read_as_the_canonical_assignment(text):
     assert knk.extract_answer(text, KNK_4["problem"]) == GOLD_4 == KNK_4["answer"]
