@@ -136,8 +136,8 @@ def extract_answer(text):
        Answer: The final answer is $X$. I hope it is correct.", or a conclusion that overrides a
        mid-solution box): X is the sentence's leading math span ($X$, \(X\), ...) with the spans
        that only connectors join to it ("$x=3$ or $x=5$"), else the sentence up to its full stop;
-       markdown emphasis around X is left out. Three words or more without a digit or math after
-       a box ("the final answer is in the box above") leave the box.
+       markdown emphasis around X is left out. Words after a box without a digit or math that
+       point back or run to three ("is in the box above", "see above") leave the box.
     2. The last \boxed{...} (or \fbox{...}, or "\boxed 5"); empty and unclosed boxes do not count.
        Boxes just before it that only connectors separate (commas, "and", "or", \quad, $, a short
        \text{...} without digits) belong to the same answer: "\boxed{-2} and \boxed{1}" gives
