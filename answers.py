@@ -402,13 +402,10 @@ _LABEL = (rf"{_NAME}(?:\({_NAME}(?:,{_NAME})*\))?|\({_NAME}(?:,{_NAME})+\)|\|{_N
 _LABELLED = re.compile(rf"({_LABEL})=([^=]+)")
 
 
-def _structure(s):
-    """Key of a cleaned answer with its outer structure: matrix, tuple, interval, union, set,
-    list."""
-    s = "".join(s.split())
-    s = _strip_group(re.sub(r"^[a-zA-Z]\\in(?=.)", "", s))  # 'x \in [-2,7]', '{30}^\circ'
-    # 'x=-1 or x=2', '(1,2) or (3,4)', '\pi or -\pi': the roots, a list; intervals ('x<1 or x>2',
-    # '(-\infty,1) or (2,\infty)') make a union, read below; 'x=1 or y=2' and 'p \lor q' stay
+def _roots_joined_by_or(s):
+    """'x=-1 or x=2', '(1,2) or (3,4)', '\\pi or -\\pi': the roots, a list. Intervals ('x<1 or
+    x>2', '(-\\infty,1) or (2,\\infty)') make a union, which _structure reads; 'x=1 or y=2' and
+    'p \\lor q' stay as they are."""
     alternatives = [p for part in _split_top(s, r"\text{or}") for p in _split_top(part, r"\lor")]
     labels = {re.sub(r"_.*", "", m.group(1)) for m in map(_LABELLED.fullmatch, alternatives) if m}
     intervals = [_interval_or_none(_relations(a)) for a in alternatives]
@@ -416,7 +413,15 @@ def _structure(s):
                                    for a in alternatives)
     values = all(re.search(r"[\d=\\]", a) for a in alternatives)
     if len(alternatives) > 1 and len(labels) <= 1 and values and not union:
-        s = ",".join(alternatives)
+        return ",".join(alternatives)
+    return s
+
+
+def _structure(s):
+    """Key of a cleaned answer with its outer structure: matrix, tuple, interval, union, set,
+    list."""
+    s = "".join(s.split())
+    s = _roots_joined_by_or(_strip_group(re.sub(r"^[a-zA-Z]\\in(?=.)", "", s)))  # 'x \in [-2,7]'
     chain = _split_top(s, "=")
     if (len(chain) > 2 and len(_split_top(s, ",")) == 1 and chain[-1] and r"\text{or}" not in s
             and not re.search(r"[<>!]$", chain[-2])):  # 'x = 5+5+1 = 11': the last value

@@ -19,11 +19,10 @@ Isolation modes (`SandboxPool(isolation=...)`, "auto" picks the first that the O
   userns  ordinary user: the same namespaces inside a user namespace; the snippet has no
           capabilities
   none    no namespaces: own process group + subreaper, seccomp blocks sockets, uid switch if root
-In every mode seccomp refuses the keyring and System V memory calls (x86-64, aarch64).
 
-The helper runs this file by path with -I (isolated: no environment, no script folder on sys.path),
-so nothing here imports the project: only the standard library, and numpy, sympy and z3 to warm them
-up. Replies are plain dicts of Result's fields; sandbox.py builds the Result.
+Seccomp refuses the keyring and System V memory calls in every mode (x86-64, aarch64). Run by path
+with -I (no environment, no script folder on sys.path), it imports only the standard library, and
+numpy, sympy and z3 to warm them; replies are plain dicts of Result's fields (sandbox.py's Result).
 """
 import atexit
 import ctypes
