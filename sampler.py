@@ -68,10 +68,7 @@ def generate(model, tokenizer, prompts, n: int, sampling: Sampling, *, seed=None
     progress: a progress bar's label (kv-fast's). Runs under inference_mode, leaves the model's
     mode."""
     prompt_ids, eos_ids, seeds = checked_arguments(model, tokenizer, prompts, n, sampling, seed)
-    if backend == "kv" and unsupported_reason(model):
-        print(f"[sampler] kv does not run {unsupported_reason(model)}: sampling with hf",
-              file=sys.stderr)
-        backend = "hf"
+    backend = runnable_backend(model, backend)
     with torch.inference_mode():
         if backend == "kv":
             rows = generate_kv(model, prompt_ids, n, sampling, seeds, eos_ids)
@@ -146,6 +143,16 @@ def unsupported_reason(model) -> str | None:
             else "sliding-window attention" if getattr(config, "use_sliding_window", False)
             else f"activation {config.hidden_act!r}" if config.hidden_act != "silu"
             else f"rope type {rope!r}" if rope in ("dynamic", "longrope") else None)
+
+
+def runnable_backend(model, backend: str) -> str:
+    """`backend`, or hf (said) when it is a kv loop (kv, kv-fast) and the model one it does not
+    run."""
+    reason = unsupported_reason(model)
+    if backend in ("kv", "kv-fast") and reason:
+        print(f"[sampler] {backend} does not run {reason}: sampling with hf", file=sys.stderr)
+        return "hf"
+    return backend
 
 
 def generate_hf(model, tokenizer, prompt_ids, n, sampling: Sampling, seed: int, eos, stopping=()):

@@ -27,7 +27,6 @@ whole context, in rounds (sample_with_tools). Interpreter works on token ids:
 import functools
 import hashlib
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -209,10 +208,7 @@ def generate(model, tokenizer, prompts, n, sampling_, seed, backend, tools):
     output in policy_text, and the answer read from what the policy stated (answer_text)."""
     prompt_ids, eos, seeds = sampler.checked_arguments(model, tokenizer, prompts, n, sampling_,
                                                        seed)
-    if backend == "kv-fast" and sampler.unsupported_reason(model):
-        print(f"[agent] kv-fast does not run {sampler.unsupported_reason(model)}: sampling with hf",
-              file=sys.stderr)
-        backend = "hf"
+    backend = sampler.runnable_backend(model, backend)
     with torch.inference_mode():
         if backend == "kv-fast":
             from extensions import kv_fast

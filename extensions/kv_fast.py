@@ -29,8 +29,8 @@ from tqdm import tqdm
 
 from machinery.runs import release_freed_memory
 from sampler import (Completion, KVCache, Linear, Sampling, checked_arguments, decode_texts,
-                     forward, model_weights, rotary_tables, row_uniforms, sample_next,
-                     unsupported_reason)
+                     forward, model_weights, rotary_tables, row_uniforms, runnable_backend,
+                     sample_next)
 from sampler import generate as plain_generate
 
 COMPACT_WHEN_FINISHED = 1 / 8  # compact the batch once this fraction of its rows has finished
@@ -62,9 +62,9 @@ def hold_verifier(model, tokenizer, dtype, device):
 
 def generate(model, tokenizer, prompts, n: int, sampling: Sampling, *, seed=None, progress=None):
     """sampler.generate through the fast path: n Completions for each prompt, a list per prompt. A
-    model the kv sampler does not run samples as sampler.generate's kv does: with hf, said."""
-    if unsupported_reason(model):
-        return plain_generate(model, tokenizer, prompts, n, sampling, seed=seed, backend="kv")
+    model the kv sampler does not run samples with hf (sampler.runnable_backend)."""
+    if runnable_backend(model, "kv-fast") == "hf":
+        return plain_generate(model, tokenizer, prompts, n, sampling, seed=seed, backend="hf")
     prompt_ids, eos, seeds = checked_arguments(model, tokenizer, prompts, n, sampling, seed)
     with torch.inference_mode():
         rows = generate_rows(model, prompt_ids, n, sampling, seeds, eos, progress)
