@@ -407,12 +407,14 @@ def _roots_joined_by_or(s):
     x>2', '(-\\infty,1) or (2,\\infty)') make a union, which _structure reads; 'x=1 or y=2' and
     'p \\lor q' stay as they are."""
     alternatives = [p for part in _split_top(s, r"\text{or}") for p in _split_top(part, r"\lor")]
+    if len(alternatives) < 2:
+        return s
     labels = {re.sub(r"_.*", "", m.group(1)) for m in map(_LABELLED.fullmatch, alternatives) if m}
     intervals = [_interval_or_none(_relations(a)) for a in alternatives]
     union = all(intervals) and any(re.search(r"[<>]|\\infty", a) or a[0] + a[-1] != "()"
                                    for a in alternatives)
     values = all(re.search(r"[\d=\\]", a) for a in alternatives)
-    if len(alternatives) > 1 and len(labels) <= 1 and values and not union:
+    if len(labels) <= 1 and values and not union:
         return ",".join(alternatives)
     return s
 

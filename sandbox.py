@@ -44,9 +44,9 @@ from pathlib import Path
 
 STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "killed")
 ISOLATIONS = ("auto", "root", "userns", "none")
-HELPER = Path(__file__).resolve().parent / "machinery" / "sandbox_server.py"
-HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/home", "/root")  # and HOME, cwd, the temp dir
 PROJECT = Path(__file__).resolve().parent  # hidden too, wherever the caller runs from
+HELPER = PROJECT / "machinery" / "sandbox_server.py"
+HIDDEN = ("/tmp", "/var/tmp", "/dev/shm", "/run", "/home", "/root")  # and HOME, cwd, the temp dir
 WORKER_GRACE = 30.0  # a worker silent this long past the program's timeout is dead
 
 

@@ -81,14 +81,12 @@ def read_jsonl(path: Path) -> list[dict]:
             raise DataError(f"{path}:{lineno}: 'problem' is a {type(rec['problem']).__name__}, "
                             f"not a string; write the question as a JSON string")
         answer = rec["answer"]  # a number is its spelling; a list or true has none to compare
-        if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or \
-                (isinstance(answer, float) and not math.isfinite(answer)):
+        if not _plain_value(answer):
             raise DataError(f"{path}:{lineno}: 'answer' is {json.dumps(answer)[:40]}; write it "
                             f"as a JSON string as the solution states it, such as \"1, 2\"")
         rec["answer"] = str(answer)
         level = rec.get("level")  # by_level groups and sorts the questions by it
-        if level is not None and (not isinstance(level, (str, int, float)) or
-                                  isinstance(level, bool) or level != level):  # NaN
+        if level is not None and not _plain_value(level):
             raise DataError(f"{path}:{lineno}: 'level' is {json.dumps(level)[:40]}; write it as "
                             f"a number or a string, or leave it out")
         rec["id"] = str(f"{path.stem}-{lineno}" if rec.get("id") is None else rec["id"])
@@ -100,6 +98,12 @@ def read_jsonl(path: Path) -> list[dict]:
     if not records:
         raise DataError(f"{path}: no records; the file is empty")
     return records
+
+
+def _plain_value(value) -> bool:
+    """A string or a finite number (not a bool, a list or NaN): what an answer or a level may be."""
+    return isinstance(value, (str, int, float)) and not isinstance(value, bool) and \
+        (not isinstance(value, float) or math.isfinite(value))
 
 
 def download_hub_rows(dataset: str, files: str) -> list[dict]:
