@@ -146,7 +146,13 @@ def extract_answer(text):
     4. A short response (at most SHORT_RESPONSE_CHARS characters, e.g. "Answer: $9$" or "We find
        $x<3$."): its last math span, joined with the spans before it like boxes ("$1$ and $2$").
        Unmarked prose ("the number is 10") gives no answer, and a long solution that never marks its
-       answer has none, so that a truncated rollout does not vote with an intermediate value."""
+       answer has none, so that a truncated rollout does not vote with an intermediate value.
+    An answer with nothing in it once spacing and markup go ("\text{}", "\,", ".") is none."""
+    answer = _stated_answer(text)
+    return answer if answer is not None and _key(answer) else None
+
+
+def _stated_answer(text):
     if text is None:
         return None
     box_start, boxed = _last_run(text, _boxes(text))

@@ -145,6 +145,15 @@ def test_a_tuple_never_equals_a_set_so_a_wrong_order_joins_no_vote_class():
     assert answer_classes(["(1,2)", "(2,1)", "1, 2"], same=same_answer, key=answer_key) == [[0], [1], [2]]
 
 
+def test_a_blank_answer_is_no_answer_so_blanks_form_no_vote_class():
+    """Boxes holding only spacing or markup say nothing: they must not join into a class that wins
+    the vote over a stated answer (and they count as no answer in the monitors)."""
+    blanks = [extract_answer(t) for t in ("\\boxed{\\text{}}", "\\boxed{\\,}", "The answer is .")]
+    assert blanks == [None, None, None]
+    answers = blanks + [extract_answer("\\boxed{3}")] * 2
+    assert answer_classes(answers, same=same_answer, key=answer_key) == [[3, 4]]
+
+
 @pytest.mark.parametrize("text, gold", [("x+0." + "1" * 4301, "x"),  # int() refuses 4300 digits
                                         ("1" + " " * 20000 + "2", "12"),
                                         ("The final answer is 1" + " " * 40000 + "2", "12")])
