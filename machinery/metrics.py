@@ -56,7 +56,8 @@ def question_monitors(rec, group, answers, verdicts, vote, domain: Domain, omega
     stats["inherited_verified"] = sum(vi and x for vi, x in zip(vote.v, inherited))
     stats["inherited_verified_correct"] = sum(vi and ci and x
                                               for vi, ci, x in zip(vote.v, correct, inherited))
-    stats["statuses"] = [res.status for res in results]
+    # the programs' outcomes: a verdict a class passed on is counted once, where it was reached
+    stats["statuses"] = [res.status for res in results if not res.inferred]
     stats["verifier_tokens"] = sum(res.tokens or 0 for res in results)
     stats["response_tokens"] = [c.num_tokens for c in group]
     return stats
@@ -307,7 +308,7 @@ def _training_lines(train_rows: list[dict]) -> list[str]:
     lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
     lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
     # steps whose rollouts went to the verifier
-    verifying = [r for r in train_rows if r.get("status")]
+    verifying = [r for r in train_rows if r.get("status") or r.get("inherited_verified_rollouts")]
     hits, verified = (sum(r["verified_correct"] for r in verifying),
                       sum(r["verified_rollouts"] for r in verifying))
     # a run logged before --lazy-verify existed judged every right rollout

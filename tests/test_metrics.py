@@ -72,3 +72,21 @@ def test_an_evaluation_of_numbered_and_named_levels_reports_each():
     assert list(result["by_level"]) == [1, 2, "olympiad"]
     assert result["by_level"]["olympiad"]["avg@1"] == 0.0 and result["avg@1"] == 0.5
 
+
+
+def test_a_verdict_a_class_passed_on_counts_once_in_the_steps_statuses():
+    """--verify-budget 1: one program ran and four rollouts took its verdict. The step's status
+    counts say what the programs did (1 verified), the inherited verdicts are counted apart."""
+    from machinery.metrics import question_monitors, step_metrics
+    from sampler import Completion
+    from t3rl import Judged
+    from verifier import MATH, Verification
+    answers = ["5"] * 5
+    verdicts = [Verification(1, "verified", "5", tokens=9)] + [
+        Verification(1, "verified", "5", inferred=True) for _ in range(4)]
+    judged = Judged(weighted_vote(answers, [1] * 5, 5.0), [1] * 5, [0, 1])
+    group = [Completion([1], [2, 3], "x", "eos") for _ in answers]
+    stats = question_monitors({"id": "q", "answer": "5"}, group, answers, verdicts, judged, MATH, 5.0)
+    row = step_metrics(0, [stats], {}, [{"sample": 1.0}])
+    assert row["status"] == {"verified": 1}
+    assert (row["verified_rollouts"], row["inherited_verified_rollouts"]) == (1, 4)
