@@ -261,6 +261,7 @@ def resumed_config(given: dict) -> Config:
     for key in sorted(names - saved.keys()):  # an option newer than the run
         print(f"[t3rl] --resume: {path} has no {key}; it takes {getattr(cfg, key)!r}, Config's "
               f"default", file=sys.stderr)
+    cfg.resume = str(run_dir)
     try:
         check_config(cfg)
     except OptionError as err:
@@ -276,7 +277,6 @@ def resumed_config(given: dict) -> Config:
     for key, value in changed.items():
         print(f"[t3rl] --resume: {flag(key)} {getattr(cfg, key)} -> {value}", file=sys.stderr)
         setattr(cfg, key, value)
-    cfg.resume = str(run_dir)
     check_config(cfg)  # the options typed
     return cfg
 
@@ -322,6 +322,7 @@ def check_config(cfg: Config):
         raise OptionError(f"--parallel {cfg.parallel}: accelerate's config asks for FSDP; pass "
                           f"--parallel fsdp, or launch with a config without FSDP")
     if cfg.parallel == "fsdp" and int(os.environ.get("WORLD_SIZE", "1")) < 2:
-        raise OptionError("--parallel fsdp: shards the policy over processes, and this is one; "
-                          "launch several (torchrun --nproc_per_node N) or pass --parallel ddp")
+        instead = " (a resumed run keeps it)" if cfg.resume else " or pass --parallel ddp"
+        raise OptionError(f"--parallel fsdp: shards the policy over processes, and this is one; "
+                          f"launch several (torchrun --nproc_per_node N){instead}")
 

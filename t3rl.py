@@ -449,9 +449,9 @@ def main(argv=None):
     except stops as err:
         raise SystemExit(f"error: {err}") from None
     except KeyboardInterrupt:
-        if cfg is None:
+        run_dir = runs.run_dir_of(cfg) if cfg is not None else None
+        if run_dir is None or not (run_dir / "config.json").is_file():  # before the run folder
             raise SystemExit("interrupted") from None
-        run_dir = runs.run_dir_of(cfg)
         raise SystemExit(f"interrupted: {run_dir} holds every step up to its last checkpoint; "
                          f"continue with: {runs.resume_command(run_dir)}") from None
 

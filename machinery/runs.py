@@ -11,6 +11,7 @@ evaluation before training at 0, train row `step` s at s + 1.
 """
 import ctypes
 import ctypes.util
+import itertools
 import json
 import os
 import random
@@ -31,6 +32,7 @@ from accelerate import Accelerator
 from accelerate.tracking import get_available_trackers
 from accelerate.utils import (DistributedDataParallelKwargs, InitProcessGroupKwargs, LoggerType,
                                broadcast_object_list, gather_object)
+from safetensors import SafetensorError
 
 from config import BEYOND_PAPER, Config, OptionError, flag
 from grpo import bf16_supported
@@ -63,20 +65,32 @@ def resume_command(run_dir: Path) -> str:
 def run_started(run_dir: Path) -> bool:
     """Whether a folder holds a run's results (a folder with only config.json is a start that never
     ran)."""
-    return any((run_dir / name).exists()
-               for name in ("metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.old"))
+    try:
+        return any((run_dir / name).exists()
+                   for name in ("metrics.jsonl", "rollouts.jsonl", "checkpoint", "checkpoint.old"))
+    except OSError as err:  # a folder the user may not enter
+        raise RunDirError(f"{run_dir}: cannot be read ({err.strerror or err}); pass a --out-dir "
+                          f"you can read and write") from None
 
 
 def free_run_name(cfg) -> str:
-    """bench-method-time, with a suffix when that folder already holds a run (two runs started in
-    one second)."""
+    """bench-method-time, with a suffix when that folder exists (two runs started in one second).
+    The first process claims the folder by creating it, so no other run takes the name; the others
+    take its name (make_accelerator)."""
     method = ("ttrl" if cfg.verifier_model == "none" or cfg.omega == 1
               else f"t3rl-w{cfg.omega:g}") + ("-agent" if cfg.agent else "")
     name = f"{Path(cfg.bench).stem}-{method}-{time.strftime('%Y%m%d-%H%M%S')}"
-    suffix = 1
-    while run_started(Path(cfg.out_dir) / (name if suffix == 1 else f"{name}-{suffix}")):
-        suffix += 1
-    return name if suffix == 1 else f"{name}-{suffix}"
+    if os.environ.get("RANK", "0") != "0":
+        return name
+    for suffix in itertools.count(1):
+        candidate = name if suffix == 1 else f"{name}-{suffix}"
+        try:
+            (Path(cfg.out_dir) / candidate).mkdir(parents=True)
+        except FileExistsError:
+            continue
+        except OSError:  # an --out-dir it cannot write: open_run_dir says so in one line
+            pass
+        return candidate
 
 
 def open_run_dir(cfg) -> Path:
@@ -131,7 +145,8 @@ def save_checkpoint(run_dir: Path, step: int, trained, tokenizer, optimizer, sch
                         "scheduler": scheduler.state_dict(),
                         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()}},
                        tmp / "state.pt")
-        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as RuntimeError
+        # torch.save reports a full disk as RuntimeError, safetensors as its own error
+        except (OSError, RuntimeError, SafetensorError) as err:
             full = shutil.disk_usage(run_dir).free < DISK_FULL_BYTES
             shutil.rmtree(tmp, ignore_errors=True)  # the space it took
             if not (full or isinstance(err, OSError)):
@@ -279,7 +294,10 @@ def tracking(accelerator, cfg, run_dir: Path, start: int):
     TensorBoard in the same folder with what was logged after the checkpoint purged."""
     names = tracker_names(cfg)
     if accelerator.is_main_process and names:
-        init_kwargs = {"tensorboard": {"purge_step": start + 1} if start else {}}
+        # a resume redoes the steps after its checkpoint (all of them, and the first evaluation,
+        # when it had none)
+        init_kwargs = {"tensorboard": {"purge_step": start + 1 if start else 0} if cfg.resume
+                       else {}}
         if {"wandb", "all"} & set(names):
             id_file = run_dir / "wandb_id"
             if not id_file.is_file():
@@ -431,6 +449,9 @@ def sigterm_as_ctrl_c():
         return
 
     def interrupt(signum, frame):
+        # launchers may signal twice (torchrun forwards, Slurm signals every process): the cleanup
+        # the first one starts runs to its end
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:

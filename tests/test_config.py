@@ -410,3 +410,15 @@ def test_the_paper_preset_samples_on_the_engine_only_where_vllm_is_installed(mon
     monkeypatch.setitem(sys.modules, "vllm", None)
     monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     assert parse_config(["--preset", "paper"]).backend == "kv-fast"
+
+
+def test_a_resumed_fsdp_run_in_one_process_is_not_told_to_change_parallel(tmp_path, monkeypatch):
+    """A resume keeps its config: the line says to launch several processes, not to pass --parallel ddp (which
+    the resume would refuse)."""
+    from dataclasses import asdict
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    (tmp_path / "config.json").write_text(json.dumps(asdict(config.Config(parallel="fsdp"))))
+    with pytest.raises(config.OptionError) as err:
+        parse_config(["--resume", str(tmp_path)])
+    assert "launch several (torchrun --nproc_per_node N) (a resumed run keeps it)" in str(err.value)
+    assert "--parallel ddp" not in str(err.value)

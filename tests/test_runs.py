@@ -59,14 +59,19 @@ def train_until_interrupted(monkeypatch, argv, update: int):
         t3rl.train(parse_config(argv))
 
 
-def test_report_to_tensorboard_logs_every_row_and_a_resumed_run_continues_it(tiny_dir, tmp_path, monkeypatch, patched):
+@pytest.mark.parametrize("update", [4, 1])
+def test_report_to_tensorboard_logs_every_row_and_a_resumed_run_continues_it(tiny_dir, tmp_path, monkeypatch, patched,
+                                                                             update):
+    """Step 3 (index 2) is logged after the checkpoint at 2, then step 4 dies: the resumed run logs step 3 again.
+    Dying in step 1, before any checkpoint, the resumed run logs the first evaluation again."""
     write_bench(tmp_path / "data", QUESTIONS)
     monkeypatch.setenv("T3RL_DATA_DIR", str(tmp_path / "data"))
-    # step 3 (index 2) is logged after the checkpoint at 2, then step 4 dies: the resumed run logs step 3 again
     train_until_interrupted(monkeypatch, tiny_argv(tiny_dir, tmp_path / "out", eval_samples=0, report_to="tensorboard"),
-                            update=4)
+                            update=update)
     run = tmp_path / "out" / "run"
-    assert max(step for step, _ in tensorboard_scalars(run / "t3rl")["label_accuracy"]) == 3
+    logged = tensorboard_scalars(run / "t3rl")
+    assert (max(step for step, _ in logged["label_accuracy"]) == 3 if update == 4
+            else [step for step, _ in logged["greedy@1"]] == [0])
     t3rl.train(parse_config(["--resume", str(run)]))
 
     scalars = tensorboard_scalars(run / "t3rl")
@@ -201,19 +206,28 @@ def test_resume_drops_torn_last_lines_and_a_stale_checkpoint_old(finished_run, t
     assert torch.load(run / "checkpoint.old" / "state.pt", weights_only=False)["step"] == 2
 
 
+@pytest.mark.parametrize("writer", ["torch.save", "safetensors"])
 def test_a_full_disk_at_a_checkpoint_ends_the_run_in_one_line_and_it_resumes(finished_run, tmp_path, monkeypatch,
-                                                                             patched):
-    """torch.save on a full disk raises RuntimeError mid-file: the run ends in one line naming the run and the
-    resume, the half-written checkpoint.tmp is removed (its space back), and the last checkpoint stays whole."""
+                                                                             patched, writer):
+    """torch.save on a full disk raises RuntimeError mid-file, safetensors its SafetensorError: the run ends in
+    one line naming the run and the resume, the half-written checkpoint.tmp is removed (its space back), and the
+    last checkpoint stays whole."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
     run = copy_run(finished_run, tmp_path / "out" / "run", upto=2)
     monkeypatch.setenv("T3RL_DATA_DIR", str(finished_run.parent.parent / "data"))
-    save = torch.save
+    save = torch.save if writer == "torch.save" else transformers.modeling_utils.safe_save_file
 
-    def full_disk(obj, path):
-        save(obj, path)  # the file exists, as a write cut off by the disk leaves it
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3951805312 vs 3951805204")
+    def full_disk(obj, path, **options):
+        save(obj, path, **options)  # the file exists, as a write cut off by the disk leaves it
+        if writer == "torch.save":
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 3951805312 vs 3951805204")
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
     with monkeypatch.context() as disk:
-        disk.setattr(torch, "save", full_disk)
+        if writer == "torch.save":
+            disk.setattr(torch, "save", full_disk)
+        else:
+            disk.setattr(transformers.modeling_utils, "safe_save_file", full_disk)
         disk.setattr(runs.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(100 << 30, 100 << 30, 0))
         with pytest.raises(SystemExit) as stop:
             t3rl.main(["--resume", str(run)])
@@ -318,3 +332,44 @@ def test_an_optimizer_state_of_another_shape_stops_the_resume_in_one_line():
     with pytest.raises(runs.RunDirError, match=r"optimizer state does not fit .* start a new run$"):
         runs.restore_state(state, mine.load_state_dict, scheduler)
 
+
+
+def test_runs_started_in_one_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260101-000000")
+    cfg = parse_config(["--preset", "cpu", "--out-dir", str(tmp_path)])
+    names = [runs.free_run_name(cfg) for _ in range(3)]
+    assert names == ["demo-t3rl-w5-20260101-000000", "demo-t3rl-w5-20260101-000000-2",
+                     "demo-t3rl-w5-20260101-000000-3"]
+    assert all((tmp_path / name).is_dir() for name in names)
+
+
+def test_an_out_dir_that_cannot_be_read_ends_in_one_line(tmp_path, monkeypatch):
+    """Path.exists raises on a folder the user may not enter (EACCES); root enters any, so it is faked."""
+    def refused(path, **options):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(runs.Path, "exists", refused)
+    cfg = parse_config(["--preset", "cpu", "--out-dir", str(tmp_path), "--run-name", "run"])
+    with pytest.raises(runs.RunDirError, match="cannot be read \\(Permission denied\\); pass a --out-dir"):
+        runs.open_run_dir(cfg)
+
+
+def test_ctrl_c_before_the_run_folder_exists_offers_no_resume(tmp_path, monkeypatch):
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(t3rl, "check_models", interrupted)
+    with pytest.raises(SystemExit) as stop:
+        t3rl.main(["--preset", "cpu", "--out-dir", str(tmp_path)])
+    assert stop.value.code == "interrupted"
+
+
+def test_a_second_sigterm_does_not_cut_the_cleanup_the_first_started():
+    import signal
+    cleaned, before = [], signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt):
+        with runs.sigterm_as_ctrl_c():
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)
+            finally:
+                os.kill(os.getpid(), signal.SIGTERM)  # a launcher's second signal, during the cleanup
+                cleaned.append("trackers closed")
+    assert cleaned == ["trackers closed"] and signal.getsignal(signal.SIGTERM) == before
