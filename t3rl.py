@@ -238,12 +238,12 @@ def train(cfg: Config, gpu: bool = False) -> Path:
     checkpoints between, evaluate after, print the summary."""
     clock, started = metrics.Stopwatch(), time.time()  # where this sitting's time goes
     runs.settle(cfg, gpu)
-    if not cfg.run_name and not cfg.resume:
-        cfg.run_name = runs.free_run_name(cfg)
-    accelerator = runs.make_accelerator(cfg, gpu)
-    set_seed(cfg.seed)
     records = benchmarks.load_bench(cfg.bench)[:cfg.limit or None]  # bad input ends here
     batches = question_batches(records, cfg)
+    if not cfg.run_name and not cfg.resume:
+        cfg.run_name = runs.free_run_name(cfg)  # claims its folder
+    accelerator = runs.make_accelerator(cfg, gpu)
+    set_seed(cfg.seed)
     # test-time RL is scored on the questions it trains on (all of them when it only evaluates)
     trained = {rec["id"] for batch in batches for rec in batch} or {rec["id"] for rec in records}
     questions = [rec for rec in records if rec["id"] in trained]
