@@ -44,11 +44,13 @@ TOOL_INSTRUCTION = ("\nYou may use Python to compute: a block\n```python\nCODE\n
                     "what it prints is shown to you as\n```output\n...\n```\nThen go on reasoning "
                     "and state the final answer as asked.")
 # a whole block, up to its closing fence (the tokens since the row's last output: an earlier block
-# is not seen)
-PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)```", re.DOTALL | re.IGNORECASE)
+# is not seen); a fence closes at the start of a line, as in markdown, so ``` in the code does not
+PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)^[ \t]*```",
+                          re.DOTALL | re.IGNORECASE | re.MULTILINE)
 OUTPUT_CHARS = 1000  # longer output keeps its end (where the result is printed), marked as cut
 # a block in a rollout's text, closed or cut off by the token budget
-CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n.*?(?:```|\Z)", re.DOTALL | re.IGNORECASE)
+CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n.*?(?:^[ \t]*```|\Z)",
+                        re.DOTALL | re.IGNORECASE | re.MULTILINE)
 
 
 @dataclass
@@ -259,7 +261,9 @@ def sample_with_tools(continue_rows, prompt_ids, n, sampling, prompt_seeds, tool
                                else row["logprobs"] + logprobs)
             row["reason"] = reason
             segment = row["tokens"][row["segment"]:]
-            if reason == "stop" and (code := tools.block_ends(segment)) is not None:
+            # a block closed by the budget's last token is not run: no room for its output
+            if (reason == "stop" and len(row["tokens"]) < sampling.max_new_tokens
+                    and (code := tools.block_ends(segment)) is not None):
                 blocks.append((r, code, segment))
         calls = tools.run([b[1] for b in blocks], [b[2] for b in blocks]) if blocks else []
         for (r, _, _), call in zip(blocks, calls):

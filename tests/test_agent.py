@@ -116,6 +116,23 @@ def test_agent_max_calls_leaves_a_later_block_unrun(tokenizer, pool):
     assert completion.text.count("```output") == 1
 
 
+def test_fences_inside_the_code_do_not_close_the_block(tokenizer, pool):
+    """Markdown closes a block at a fence that starts a line: a string holding ``` is code, the whole block runs,
+    and a box inside the code is never the rollout's answer."""
+    script = "```python\ns = 'a```b'\nt = '\\\\boxed{99}'\nprint(len(s))\n```|So \\boxed{5}."
+    completion = scripted_text(tokenizer, pool, script)
+    assert [(c.status, c.output) for c in completion.tool_calls] == [("ok", "5")]
+    assert t3rl.read_answers([{"problem": "?"}], [[completion]], MATH) == [["5"]]
+
+
+def test_a_block_closed_by_the_budgets_last_token_is_not_run(tokenizer, pool):
+    """No room is left for its output: the row ends as kv-fast ends it, without a call."""
+    script = "So \\boxed{1}.\n```python\nprint(1)\n```"
+    budget = len(tokenizer(script, add_special_tokens=False).input_ids)
+    completion = scripted_text(tokenizer, pool, script, max_new_tokens=budget)
+    assert completion.num_tokens == budget and completion.tool_calls == []
+
+
 def test_a_tool_output_is_cut_to_the_rows_token_budget(tokenizer, pool):
     script = "```python\nprint('x ' * 200)\n```|So \\boxed{1}."
     completion = scripted_text(tokenizer, pool, script, max_new_tokens=40)
