@@ -44,7 +44,7 @@ from machinery import model
 from machinery.benchmarks import load_bench
 from machinery.metrics import group_metrics, level_order
 from machinery.runs import (DataError, RunDirError, append_jsonl, drop_torn_tail, jsonl_objects,
-                            read_jsonl_rows, settle, write_jsonl)
+                            settle, write_jsonl)
 from sampler import Sampling
 from sandbox import SandboxPool
 from verifier import SANDBOX_TIMEOUT, last_line, tool_agrees
@@ -135,17 +135,23 @@ def run_config(run_dir: Path) -> dict:
     return cfg
 
 
+ROLLOUT_FIELDS = ("answers", "v", "status", "result", "policy_tokens", "verifier_tokens", "text",
+                  "program")
+AGENT_FIELDS = ("agent_answers", "agent_tokens", "agent_tool_tokens", "agent_text", "agent_calls")
+
+
 def read_rows(run_dir: Path) -> list[dict]:
     """The finished questions of a study. A last line cut short by a kill is dropped (and cut from
     the file), so that question is sampled again."""
     path = run_dir / STUDY_FILE
     drop_torn_tail(path)
-    return read_jsonl_rows(path)
-
-
-ROLLOUT_FIELDS = ("answers", "v", "status", "result", "policy_tokens", "verifier_tokens", "text",
-                  "program")
-AGENT_FIELDS = ("agent_answers", "agent_tokens", "agent_tool_tokens", "agent_text", "agent_calls")
+    rows = list(jsonl_objects(path, torn_tail_ok=True)) if path.is_file() else []
+    for lineno, row in rows:
+        missing = [key for key in ("id", "gold", "level", *ROLLOUT_FIELDS) if key not in row]
+        if missing:
+            raise DataError(f"{path}:{lineno}: no {', '.join(missing)} in it; delete that line "
+                            f"(its question is sampled again) or restore the file from a copy")
+    return [row for _, row in rows]
 
 
 def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: int,
@@ -491,24 +497,35 @@ def run_study(cfg) -> Path:
     return run_dir
 
 
-def replay(run_dir: Path, omegas: list[float]) -> str:
-    """Re-vote every saved rollout group with each omega: label accuracy, reward accuracy and flips,
-    no model needed. A --study folder gets its study report (study.py) instead."""
+def replay(run_dir: Path, omegas: list[float] | None = None) -> str:
+    """Re-vote every saved rollout group with each omega (None: OMEGAS): label accuracy, reward
+    accuracy and flips, no model needed. A --study folder gets its study report (study.py), whose
+    omegas are OMEGAS, instead."""
     cfg = run_config(run_dir)
     domain = t3rl.bench_domain(cfg["bench"])
     if (run_dir / "study.jsonl").is_file():
+        if omegas is not None:
+            raise t3rl.OptionError(f"--replay {run_dir} --omega: a study's report has omegas "
+                                   f"{', '.join(f'{o:g}' for o in OMEGAS)}; drop --omega")
         return report(run_dir, domain.classes, domain.equiv)
+    omegas = list(OMEGAS) if omegas is None else omegas
     if not (run_dir / "rollouts.jsonl").is_file():
         raise RunDirError(f"--replay {run_dir}: no rollouts.jsonl there; pass a run folder "
                           f"written by t3rl.py")
     gold = {r["id"]: r["answer"] for r in load_bench(cfg["bench"])}
-    groups = {}
+    groups, seen = {}, {}
     for lineno, r in jsonl_objects(run_dir / "rollouts.jsonl", torn_tail_ok=True):
-        if not isinstance(r.get("id"), str) or r["id"] not in gold \
-                or not {"step", "answer", "v", "status"} <= r.keys():
-            raise DataError(f"{run_dir / 'rollouts.jsonl'}:{lineno}: not a rollout of --bench "
-                            f"{cfg['bench']} (its id, step, answer, v and status); replay the "
-                            f"folder of a run on that benchmark, or fix or delete that line")
+        where = f"{run_dir / 'rollouts.jsonl'}:{lineno}"
+        if not (isinstance(r.get("id"), str) and r["id"] in gold and "status" in r
+                and type(r.get("step")) is int and type(r.get("index")) is int
+                and r.get("v") in (0, 1) and isinstance(r.get("answer"), (str, type(None)))):
+            raise DataError(f"{where}: not a rollout of --bench {cfg['bench']} (its id, step, "
+                            f"index, answer, v and status); replay the folder of a run on that "
+                            f"benchmark, or fix or delete that line")
+        first = seen.setdefault((r["step"], r["id"], r["index"]), lineno)
+        if first != lineno:
+            raise DataError(f"{where}: rollout {r['index']} of {r['id']} at step {r['step']} again "
+                            f"(line {first}); delete one of them")
         groups.setdefault((r["step"], r["id"]), []).append(r)
     unsettled = [omega for omega in omegas if omega not in (1.0, cfg["omega"])]
     if unsettled and any(r["status"] == "skipped" for rows in groups.values() for r in rows):
@@ -574,9 +591,9 @@ def main(argv: list):
             parser = argparse.ArgumentParser(prog="python -m extensions.study")
             parser.add_argument("--replay", type=Path, required=True, help="a study folder to "
                                 "report again, or a training run to re-vote at each --omega")
-            parser.add_argument("--omega", type=float, nargs="+", default=list(OMEGAS))
+            parser.add_argument("--omega", type=float, nargs="+")
             args = parser.parse_args(argv)
-            bad = [w for w in args.omega if not w >= 1]
+            bad = [w for w in args.omega or () if not w >= 1]
             if bad:
                 raise t3rl.OptionError(f"--omega {bad[0]}: must be in [1, inf]")
             print(replay(args.replay, args.omega))

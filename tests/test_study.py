@@ -79,9 +79,18 @@ def append_line(path, line):
     (lambda run: (run / "config.json").write_text('{"bench": '), r"run/config.json: damaged .*restore it"),
     (lambda run: (run / "config.json").write_text("[]"), r"run/config.json: no bench or omega in it"),
     (lambda run: append_line(run / "rollouts.jsonl", '{"step": 9, "id": "nope", "answer": "1", "v": 0, "status": "x"}'),
-     r"rollouts.jsonl:\d+: not a rollout of --bench demo \(its id, step, answer, v and status\)"),
+     r"rollouts.jsonl:\d+: not a rollout of --bench demo \(its id, step, index, answer, v and status\)"),
     (lambda run: append_line(run / "rollouts.jsonl", '{"step": 9, "id": "q0"}'), r"rollouts.jsonl:\d+: not a rollout"),
-], ids=["no config", "damaged config", "config not an object", "unknown question", "row without its vote"])
+    (lambda run: append_line(run / "rollouts.jsonl", '{"step": 9, "id": "q0", "index": 0, "answer": "1", "v": null, '
+                                                     '"status": "x"}'), r"rollouts.jsonl:\d+: not a rollout"),
+    (lambda run: append_line(run / "rollouts.jsonl", '{"step": [9], "id": "q0", "index": 0, "answer": "1", "v": 0, '
+                                                     '"status": "x"}'), r"rollouts.jsonl:\d+: not a rollout"),
+    (lambda run: append_line(run / "rollouts.jsonl", '{"step": 9, "id": "q0", "index": 0, "answer": ["1"], "v": 0, '
+                                                     '"status": "x"}'), r"rollouts.jsonl:\d+: not a rollout"),
+    (lambda run: append_line(run / "rollouts.jsonl", (run / "rollouts.jsonl").read_text().splitlines()[0]),
+     r"rollouts.jsonl:\d+: rollout 0 of q\d at step 0 again \(line 1\); delete one of them"),
+], ids=["no config", "damaged config", "config not an object", "unknown question", "row without its vote",
+        "verdict null", "step a list", "answer a list", "a rollout twice"])
 def test_a_replay_of_a_damaged_run_ends_in_one_line(damage, line, finished_run, tmp_path, monkeypatch):
     run = copy_run(finished_run, tmp_path / "run")
     damage(run)
@@ -288,3 +297,15 @@ def test_a_study_grows_to_more_questions_keeping_the_ones_it_has(tiny_dir, tmp_p
     study.run_study(study_cfg(["--resume", str(run), "--limit", "0"]))  # 0: every question
     after = rows(run, "study.jsonl")
     assert [r["id"] for r in after] == ["q0", "q1", "q2", "q3"] and after[:2] == before
+
+
+def test_a_study_report_names_a_damaged_line_and_refuses_omegas_it_does_not_take(tmp_path, monkeypatch):
+    (tmp_path / "config.json").write_text(json.dumps({"bench": "demo", "omega": 5.0, "seed": 0}))
+    rows = [study_row("q0", "5", ["5"] * 4, [1, 0, 0, 0]), study_row("q1", "3", ["3"] * 4, [0] * 4)]
+    del rows[1]["v"]
+    (tmp_path / "study.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    for argv, line in ((["--replay", str(tmp_path)], r"study.jsonl:2: no v in it; delete that line"),
+                       (["--replay", str(tmp_path), "--omega", "2"], r"--omega: a study's report has omegas 1, ")):
+        with pytest.raises(SystemExit) as stop:
+            study.main(argv)
+        assert re.search(line, str(stop.value.code)) and "\n" not in str(stop.value.code), stop.value.code
