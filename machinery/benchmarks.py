@@ -50,6 +50,9 @@ def load_bench(name: str) -> list[dict]:
         return read_jsonl(Path(data_dir) / f"{name}.jsonl")
     if local.is_file():
         return read_jsonl(local)
+    if name not in HUB_BENCHES:  # shipped in data/ only
+        raise BenchError(f"--bench {name}: {local} is missing; restore it (git checkout data/) or "
+                         f"put {name}.jsonl in T3RL_DATA_DIR")
     dataset, files = HUB_BENCHES[name]
     print(f"[t3rl] {name}: no local file, loading {dataset} through the Hugging Face Hub client",
           file=sys.stderr)
@@ -89,6 +92,11 @@ def read_jsonl(path: Path) -> list[dict]:
         if level is not None and not _plain_value(level):
             raise DataError(f"{path}:{lineno}: 'level' is {json.dumps(level)[:40]}; write it as "
                             f"a number or a string, or leave it out")
+        try:  # a lone surrogate ("\ud800") is valid JSON but no text: the tokenizer refuses it
+            json.dumps(rec, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise DataError(f"{path}:{lineno}: holds a lone surrogate escape (\\ud800-\\udfff), "
+                            f"which is no character; fix or delete that line") from None
         rec["id"] = str(f"{path.stem}-{lineno}" if rec.get("id") is None else rec["id"])
         if rec["id"] in first_line:
             raise DataError(f"{path}:{lineno}: id '{rec['id']}' is already used on line "

@@ -168,6 +168,8 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
     rename)."""
     if (out_dir / "config.json").is_file():
         return out_dir
+    for stale in out_dir.parent.glob(f"{out_dir.name}.tmp-*"):  # a killed conversion's (GBs)
+        shutil.rmtree(stale, ignore_errors=True)
     t0 = time.time()
     print(f"[t3rl] converting {gguf_path.name} to {dtype} safetensors in {out_dir} "
           f"(once; 1-3 min) ...", file=sys.stderr)
@@ -214,6 +216,8 @@ def check_spec(spec: str, option: str = "--model"):
     file without GGUF magic, a folder without config.json, a name that is not owner/name. Errors
     name `option`."""
     if offline_model(spec):
+        if not (cache_dir() / offline_model(spec).cache_name / "config.json").is_file():
+            part_paths(offline_model(spec))  # to be converted: its parts must be installed
         return
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -256,7 +260,6 @@ def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES)
         folder = Path(snapshot_download(spec, allow_patterns=files))
         if files is HUB_CHECKPOINT_FILES and not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(spec, allow_patterns=[*files, "*.bin"]))
-        return folder
     except HFValidationError as err:  # 'owner/', 'Qwen/Qwen2.5 Math', 'a--b/c'
         reason = str(err).strip().splitlines()[0]
         raise ModelLoadError(f"{option} {spec}: not a valid Hub id ({reason}); pass owner/name as "
@@ -268,6 +271,15 @@ def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES)
                              f"read it") from None
     except LocalEntryNotFoundError:
         raise ModelLoadError(_unreachable(spec, option)) from None
+    except Exception as err:  # a dropped connection, a refusal (403, 429), a full disk
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise ModelLoadError(f"{option} {spec}: the download stopped ({reason}); run again, or "
+                             f"download it where the Hub answers and pass its folder") from None
+    if not (folder / "config.json").is_file():
+        raise ModelLoadError(f"{option} {spec}: the Hub repository has no config.json (only GGUF "
+                             f"files?); download a .gguf file of it and pass that, or pass a "
+                             f"transformers checkpoint")
+    return folder
 
 
 def _unreachable(spec: str, option: str) -> str:
@@ -280,15 +292,20 @@ def _unreachable(spec: str, option: str) -> str:
 def _resolve(spec: str, option: str = "--model") -> Path | str:
     """Map a --model value to a folder (converted if needed) or a Hub id."""
     check_spec(spec, option)
-    if offline_model(spec):
-        return offline_model_dir(spec)
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        # the converted folder is named by the file's contents: another file of that name and size
-        # (a fine-tune in the same quantisation) is another model
-        digest = file_sha256(str(path.resolve()), *_stamp(path))[:16]
-        with _locked(cache_dir() / "gguf.lock"):
-            return _convert_gguf(path, cache_dir() / f"{path.stem}-{digest}")
+    try:
+        if offline_model(spec):
+            return offline_model_dir(spec)
+        if path.suffix == ".gguf":
+            # the converted folder is named by the file's contents: another file of that name and
+            # size (a fine-tune in the same quantisation) is another model
+            digest = file_sha256(str(path.resolve()), *_stamp(path))[:16]
+            with _locked(cache_dir() / "gguf.lock"):
+                return _convert_gguf(path, cache_dir() / f"{path.stem}-{digest}")
+    except OSError as err:
+        raise ModelLoadError(f"{option} {spec}: cannot write the model cache {cache_dir()} "
+                             f"({err.strerror or err}); free space there, or set T3RL_CACHE to a "
+                             f"writable folder") from None
     return path if path.is_dir() else spec
 
 
@@ -378,9 +395,18 @@ def load_model(spec: str = "embedded", dtype=None, option: str = "--model"):
         source = hub_snapshot(spec, option)
     try:
         model, tokenizer = _from_pretrained(source, dtype)
-    except OSError as err:
-        raise ModelLoadError(f"{option} {spec}: cannot read the checkpoint in {source} ({err}); "
-                             f"delete that folder and load again to rebuild it") from err
+    except Exception as err:  # transformers, safetensors and tokenizers each raise their own
+        if isinstance(err, MemoryError):
+            raise
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        fix = ("pass a folder that holds a whole checkpoint (config.json, weights, tokenizer)"
+               if Path(spec).expanduser().is_dir() else "delete that folder and load again to "
+               "fetch or rebuild it")
+        raise ModelLoadError(f"{option} {spec}: cannot read the checkpoint in {source} "
+                             f"({reason}); {fix}") from None
+    if not tokenizer("1 + 1", add_special_tokens=False).input_ids:  # no tokenizer files at all
+        raise ModelLoadError(f"{option} {spec}: {source} holds no tokenizer; copy "
+                             f"tokenizer.json and tokenizer_config.json from its base model")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model.eval()

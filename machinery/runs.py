@@ -506,7 +506,8 @@ def jsonl_objects(path: Path, torn_tail_ok: bool = False):
             if not line.strip():
                 continue
             obj = json.loads(line)
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        # ValueError: also a number past Python's 4,300 digits; RecursionError: deep nesting
+        except (ValueError, RecursionError) as err:
             if torn_tail_ok and lineno == len(lines):
                 print(f"[t3rl] {path}:{lineno}: dropped a half-written last line "
                       f"(left by a kill during a write)", file=sys.stderr)
@@ -514,7 +515,8 @@ def jsonl_objects(path: Path, torn_tail_ok: bool = False):
             if isinstance(err, UnicodeDecodeError):
                 raise DataError(f"{path}:{lineno}: not UTF-8 (byte 0x{raw[err.start]:02x} "
                                 f"at column {err.start + 1}); save the file as UTF-8") from None
-            raise DataError(f"{path}:{lineno}: invalid JSON ({err.msg}); "
+            reason = getattr(err, "msg", None) or str(err).split(";")[0] or type(err).__name__
+            raise DataError(f"{path}:{lineno}: invalid JSON ({reason}); "
                             f"fix or delete that line") from None
         if not isinstance(obj, dict):
             raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")

@@ -155,3 +155,24 @@ def test_a_level_that_is_no_number_or_name_names_its_line(tmp_path, level):
     with pytest.raises(runs.DataError, match=r"mine.jsonl:2: 'level' is .*; write it as a number or a string"):
         benchmarks.load_bench(str(path))
 
+
+
+@pytest.mark.parametrize("line, said", [
+    ('{"problem": "p", "answer": 1' + "0" * 5000 + "}", r"invalid JSON \(Exceeds the limit \(4300 digits\)"),
+    ('{"problem": "p", "answer": "1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}", r"invalid JSON \(maximum recursion"),
+    ('{"problem": "p\\ud800", "answer": "1"}', r"holds a lone surrogate escape"),
+], ids=["a number past 4,300 digits", "deep nesting", "a lone surrogate"])
+def test_json_python_cannot_hold_as_text_names_its_line(tmp_path, line, said):
+    """Valid JSON that Python refuses (a huge integer, deep nesting) or that is no text (a lone surrogate, which
+    the tokenizer and the run's own JSON lines refuse later) is named at its line."""
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"problem": "1+1", "answer": "2"}\n' + line + "\n")
+    with pytest.raises(runs.DataError, match=r"mine.jsonl:2: " + said):
+        benchmarks.load_bench(str(path))
+
+
+def test_a_benchmark_shipped_in_data_that_is_missing_is_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(benchmarks, "ROOT", tmp_path)
+    monkeypatch.delenv("T3RL_DATA_DIR", raising=False)
+    with pytest.raises(benchmarks.BenchError, match=r"--bench knk: .*knk.jsonl is missing; restore it"):
+        benchmarks.load_bench("knk")

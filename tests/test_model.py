@@ -129,6 +129,72 @@ def test_bad_model_spec_is_rejected(spec):
         model_lib.load_model(spec)
 
 
+def _truncate_weights(folder):
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+
+
+def _drop_tokenizer(folder):
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        (folder / name).unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("damage, line", [
+    (_truncate_weights, r"cannot read the checkpoint in .*; pass a folder that holds a whole checkpoint"),
+    (lambda folder: (folder / "config.json").write_text('{"model_type": "no-such-model"}'),
+     r"cannot read the checkpoint in .*; pass a folder that holds a whole checkpoint"),
+    (lambda folder: (folder / "tokenizer.json").write_text("{"), r"cannot read the checkpoint in "),
+    (_drop_tokenizer, r"holds no tokenizer; copy tokenizer.json and tokenizer_config.json from its base model"),
+], ids=["truncated weights", "unknown model type", "damaged tokenizer", "no tokenizer"])
+def test_a_damaged_checkpoint_folder_is_named_in_one_line(tiny_dir, damage, line):
+    """transformers, safetensors and tokenizers raise their own errors, not OSError: each is the one line, and a
+    user's folder is not to be deleted "to rebuild it"."""
+    damage(tiny_dir)
+    with pytest.raises(model_lib.ModelLoadError, match=line) as err:
+        model_lib.load_model(str(tiny_dir), option="--model")
+    assert "\n" not in str(err.value) and "delete" not in str(err.value)
+
+
+def test_an_unwritable_model_cache_is_named_in_one_line(tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("T3RL_CACHE", str(tmp_path / "file" / "cache"))  # below a file: NotADirectoryError
+    _tiny_gguf(tmp_path / "m.gguf")
+    with pytest.raises(model_lib.ModelLoadError, match=r"--model .*m.gguf: cannot write the model cache .*; free space "
+                                                       r"there, or set T3RL_CACHE to a writable folder"):
+        model_lib.load_model(str(tmp_path / "m.gguf"))
+
+
+def test_a_killed_conversions_folder_is_removed_by_the_next(tmp_path, monkeypatch):
+    stale = tmp_path / "out.tmp-99999"
+    (stale / "sub").mkdir(parents=True)
+    monkeypatch.setattr(model_lib.AutoTokenizer, "from_pretrained", lambda *a, **k: 1 / 0)
+    with pytest.raises(model_lib.ModelLoadError):
+        model_lib._convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
+    assert not stale.exists()
+
+
+def test_an_offline_model_whose_parts_are_missing_is_refused_before_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("T3RL_CACHE", str(tmp_path))  # nothing converted yet
+    fake = model_lib.OfflineModel("fake model", "no-such-part", "1.0", (1,), torch.float32, "fake")
+    monkeypatch.setitem(model_lib.OFFLINE_MODELS, "fake", fake)
+    with pytest.raises(model_lib.ModelLoadError, match="no-such-part1 of fake model is not installed"):
+        model_lib.check_spec("fake")
+
+
+@pytest.mark.parametrize("snapshot, line", [
+    (lambda tmp_path: tmp_path, r"the Hub repository has no config.json \(only GGUF files\?\); download a .gguf"),
+    (None, r"the download stopped \(peer closed connection\); run again"),
+], ids=["no config.json", "connection dropped"])
+def test_a_hub_download_that_gives_no_checkpoint_is_named_in_one_line(tmp_path, monkeypatch, snapshot, line):
+    def download(spec, allow_patterns):
+        if snapshot is None:  # what the Hub client's HTTP library raises: not an OSError
+            raise type("RemoteProtocolError", (Exception,), {})("peer closed connection")
+        return str(snapshot(tmp_path))
+    monkeypatch.setattr(model_lib, "snapshot_download", download)
+    with pytest.raises(model_lib.ModelLoadError, match=line):
+        model_lib.check_hub("owner/gguf-only", "--model")
+
+
 def load_models_in_a_new_process(env, *specs) -> list[dict]:
     """load_model(spec) for each spec in a fresh process (huggingface_hub reads HF_* variables at import):
     {"hidden_size", "vocab"} of the loaded model, or {"error": the ModelLoadError's message}."""
