@@ -26,6 +26,7 @@ import importlib.util
 import os
 import shutil
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -173,10 +174,11 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
     t0 = time.time()
     print(f"[t3rl] converting {gguf_path.name} to {dtype} safetensors in {out_dir} "
           f"(once; 1-3 min) ...", file=sys.stderr)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
-                                                     dtype=dtype)
+    try:  # from a folder of its own: transformers reads tokenizer files lying beside the .gguf
+        with tempfile.TemporaryDirectory() as alone:
+            (Path(alone) / "model.gguf").symlink_to(gguf_path.resolve())
+            tokenizer = AutoTokenizer.from_pretrained(alone, gguf_file="model.gguf")
+            model = AutoModelForCausalLM.from_pretrained(alone, gguf_file="model.gguf", dtype=dtype)
     except Exception as err:
         # a valid magic over a damaged body fails deep inside gguf / transformers
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]

@@ -243,3 +243,56 @@ def make_tiny_model(vocab_size: int, seed: int = 0, tie_word_embeddings: bool = 
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).float().eval()
     return model
+
+
+def write_tiny_qwen2_gguf(path, name="tiny qwen2"):
+    """A whole Qwen2 GGUF a transformers load converts: 2 layers of 32, float32 weights, a byte-level BPE
+    tokenizer of 260 tokens (the 256 bytes, one merge, three specials) with a chat template."""
+    import gguf
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    rest = [b for b in range(256) if b not in printable]  # GPT-2's byte-to-unicode map
+    tokens = [chr(b) for b in printable] + [chr(256 + i) for i in range(len(rest))]
+    tokens += ["Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    layers = 2
+    config = Qwen2Config(vocab_size=len(tokens), hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    state = Qwen2ForCausalLM(config).float().state_dict()
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_name(name)
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_file_type(0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (len(tokens) - 3) + [3] * 3)
+    writer.add_token_merges(["Ġ t"])
+    writer.add_eos_token_id(len(tokens) - 1)
+    writer.add_bos_token_id(len(tokens) - 3)
+    writer.add_pad_token_id(len(tokens) - 3)
+    writer.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    whole = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "lm_head.weight": "output.weight"}
+    part = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+            "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+            "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for key, tensor in state.items():
+        if key not in whole:
+            _, _, layer, *module, kind = key.split(".")
+            whole[key] = f"blk.{layer}.{part['.'.join(module)]}.{kind}"
+        writer.add_tensor(whole[key], tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

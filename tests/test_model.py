@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from machinery import model as model_lib
-from helpers import ROOT, FakeHub, make_tiny_model
+from helpers import ROOT, FakeHub, make_tiny_model, write_tiny_qwen2_gguf
 
 
 def test_embedded_model_loads_and_generates(embedded_model):
@@ -162,6 +162,16 @@ def test_an_unwritable_model_cache_is_named_in_one_line(tmp_path, monkeypatch):
     with pytest.raises(model_lib.ModelLoadError, match=r"--model .*m.gguf: cannot write the model cache .*; free space "
                                                        r"there, or set T3RL_CACHE to a writable folder"):
         model_lib.load_model(str(tmp_path / "m.gguf"))
+
+
+def test_a_gguf_converts_with_its_own_tokenizer_whatever_lies_beside_it(tmp_path, monkeypatch, tiny_dir):
+    """transformers reads tokenizer files from the folder of a .gguf: another model's lying there must not
+    become this one's tokenizer (the converted folder is shared by every copy of the file)."""
+    monkeypatch.setenv("T3RL_CACHE", str(tmp_path / "cache"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # a 151k-token Qwen tokenizer
+        (tmp_path / name).write_bytes((tiny_dir / name).read_bytes())
+    model, tokenizer = model_lib.load_model(str(write_tiny_qwen2_gguf(tmp_path / "tiny.gguf")))
+    assert (model.config.hidden_size, len(tokenizer)) == (32, 260)
 
 
 def test_a_killed_conversions_folder_is_removed_by_the_next(tmp_path, monkeypatch):
