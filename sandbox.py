@@ -12,11 +12,11 @@ What is covered (isolation "root" or "userns"; `pool.report` says what is active
 - files: the host is read-only; /tmp, /var/tmp, /dev/shm, /run, /home, /root, this project and the
   caller's HOME, working and temp folders are hidden; each program gets a fresh private folder
 - secrets, network, leftovers: an empty environment, its own /proc, no network; what it spawned is
-  killed, its folder and IPC emptied; keyrings, System V memory, POSIX queues refused
+  killed, its folder and IPC emptied; keyrings, SysV memory, POSIX queues, namespaces, mounts refused
 What is not covered (docs/sandbox.md):
 - kernel exploits and hardware side channels (the program shares the kernel)
-- denial of service through CPU, memory bandwidth or page cache within the limits; memory in a
-  tmpfs it mounts in a user namespace of its own, or in 64 processes (no memory cgroup)
+- denial of service through CPU, memory bandwidth or page cache within the limits; memory in 64
+  processes (no memory cgroup)
 - world-readable host files outside the hidden places (/etc, /usr, /work/shared)
 - mode "userns": files the caller may read stay readable (not writable); mode "none": the file
   system beyond Unix permissions, /proc of processes of the same uid, and signals to them

@@ -14,15 +14,15 @@ Process tree (one per pool; the caller's end is sandbox.SandboxPool):
 
 Isolation modes (`SandboxPool(isolation=...)`, "auto" picks the first that the OS allows):
 
-  root    started as root: mount/pid/network namespaces; the snippet runs as nobody (65534),
-          no groups
+  root    started as root: mount/pid/network namespaces; the snippet runs as nobody, no groups
   userns  ordinary user: the same namespaces inside a user namespace; the snippet has no
           capabilities
   none    no namespaces: own process group + subreaper, seccomp blocks sockets, uid switch if root
 
-Seccomp refuses the keyring and System V memory calls in every mode (x86-64, aarch64). Run by path
-with -I (no environment, no script folder on sys.path), it imports only the standard library, and
-numpy, sympy and z3 to warm them; replies are plain dicts of Result's fields (sandbox.py's Result).
+Seccomp refuses the keyring and System V memory calls, new namespaces and mounts in every mode
+(x86-64, aarch64). Run by path with -I (no environment, no script folder on sys.path), it imports
+only the standard library, and numpy, sympy and z3 to warm them; replies are plain dicts of
+Result's fields (sandbox.py's Result).
 """
 import atexit
 import ctypes
@@ -69,11 +69,17 @@ MOUNT_OPTION_FLAGS = {"nosuid": MS_NOSUID, "nodev": MS_NODEV, "noexec": MS_NOEXE
                       "noatime": MS_NOATIME, "nodiratime": MS_NODIRATIME, "relatime": MS_RELATIME}
 PR_SET_PDEATHSIG, PR_SET_SECCOMP, PR_CAPBSET_DROP = 1, 22, 24
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
-# per architecture: seccomp audit arch, the numbers of capset, socket, io_uring_setup, and of the
-# calls no snippet may make: add_key, request_key, keyctl (a uid's keyring outlives the program, on
-# the host), shmget, msgget (System V memory outside the address-space limit)
-ARCH = {"x86_64": (0xC000003E, 126, 41, 425, (248, 249, 250, 29, 68)),
-        "aarch64": (0xC00000B7, 91, 198, 425, (217, 218, 219, 194, 186))}.get(platform.machine())
+# per architecture: seccomp audit arch, the numbers of capset, socket, io_uring_setup, clone,
+# clone3, and of the calls no snippet may make: add_key, request_key, keyctl (a uid's keyring
+# outlives the program, on the host), shmget, msgget (System V memory outside the address-space
+# limit), unshare, setns, mount, pivot_root and the new mount API (open_tree .. fspick,
+# mount_setattr): in a user namespace of its own a snippet could mount a tmpfs, memory the
+# address-space limit does not count
+_MOUNT_API = (428, 429, 430, 431, 432, 433, 442)
+ARCH = {"x86_64": (0xC000003E, 126, 41, 425, 56, 435,
+                   (248, 249, 250, 29, 68, 272, 308, 165, 155, *_MOUNT_API)),
+        "aarch64": (0xC00000B7, 91, 198, 425, 220, 435,
+                    (217, 218, 219, 194, 186, 97, 268, 40, 41, *_MOUNT_API))}.get(platform.machine())
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -120,22 +126,31 @@ def _drop_capabilities():
 
 
 def _seccomp(block_sockets):
-    """Seccomp filter: the keyring and System V memory calls fail with EACCES, and so does socket()
-    unless the family is AF_UNIX (block_sockets: no network namespace); io_uring (which can open
-    sockets) and other ABIs (x32, 32-bit) are refused outright."""
-    audit_arch, _, nr_socket, nr_io_uring, denied = ARCH
-    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    allow, deny = 0x7FFF0000, 0x00050000 | errno.EACCES
+    """Seccomp filter: the calls ARCH denies fail with EACCES, and so do clone with CLONE_NEWUSER
+    and socket() unless the family is AF_UNIX (block_sockets: no network namespace); clone3, whose
+    flags a filter cannot read, fails with ENOSYS, so that the C library falls back to clone; io_uring
+    (which can open sockets) and other ABIs (x32, 32-bit) are refused outright."""
+    audit_arch, _, nr_socket, nr_io_uring, nr_clone, nr_clone3, denied = ARCH
+    ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     calls = [*denied, nr_io_uring] if block_sockets else list(denied)
-    sockets = [(jeq, 0, 2, nr_socket), (ld, 0, 0, 16), (jeq, 0, 1, socket.AF_UNIX)]
-    rest = len(calls) + (len(sockets) if block_sockets else 0)  # instructions before `allow`
-    program = [(ld, 0, 0, 4), (jeq, 0, rest + 3, audit_arch),  # wrong ABI -> deny
-               (ld, 0, 0, 0), (jge, rest + 1, 0, 0x40000000)]  # x32 syscall numbers -> deny
-    program += [(jeq, rest - k, 0, nr) for k, nr in enumerate(calls)]
-    program += (sockets if block_sockets else []) + [(ret, 0, 0, allow), (ret, 0, 0, deny)]
-    words = (c | jt << 16 | jf << 24 | k << 32 for c, jt, jf, k in program)
-    filters = (ctypes.c_uint64 * len(program))(*words)
-    fprog = struct.pack("HxxxxxxQ", len(program), ctypes.addressof(filters))
+    # (op, k, where it jumps when true, when false): a label below, or None for the next one
+    code = [(ld, 4, None, None), (jeq, audit_arch, None, "deny"),  # another ABI
+            (ld, 0, None, None), (jge, 0x40000000, "deny", None)]  # x32 system call numbers
+    code += [(jeq, nr, "deny", None) for nr in calls]
+    code += [(jeq, nr_clone3, "nosys", None), (jeq, nr_clone, None, "sockets"),
+             (ld, 16, None, None), (jset, CLONE_NEWUSER, "deny", "allow")]  # 16: flags, low half
+    labels = {"sockets": len(code)}
+    if block_sockets:
+        code += [(jeq, nr_socket, None, "allow"), (ld, 16, None, None),
+                 (jeq, socket.AF_UNIX, "allow", "deny")]
+    labels.update(allow=len(code), deny=len(code) + 1, nosys=len(code) + 2)
+    code += [(ret, 0x7FFF0000, None, None), (ret, 0x00050000 | errno.EACCES, None, None),
+             (ret, 0x00050000 | errno.ENOSYS, None, None)]
+    jump = lambda i, label: 0 if label is None else labels[label] - i - 1  # noqa: E731
+    words = [op | jump(i, t) << 16 | jump(i, f) << 24 | k << 32
+             for i, (op, k, t, f) in enumerate(code)]
+    filters = (ctypes.c_uint64 * len(words))(*words)
+    fprog = struct.pack("HxxxxxxQ", len(words), ctypes.addressof(filters))
     buf = ctypes.create_string_buffer(fprog, len(fprog))
     _check(_libc.prctl(PR_SET_SECCOMP, 2, ctypes.addressof(buf), 0, 0), "seccomp")
 
@@ -381,9 +396,10 @@ def _worker_setup(cfg):
     report["network"] = ("empty network namespace (no interface up)" if mode != "none" else
                          "sockets other than AF_UNIX blocked (seccomp)" if cfg["block_sockets"] else
                          "NOT blocked (no namespace, no seccomp on this architecture)")
-    report["kernel"] = ("keyrings and System V memory refused (seccomp), no POSIX message queues"
-                        if ARCH else "keyrings and System V memory NOT refused (no seccomp on this "
-                        "architecture), no POSIX message queues")
+    report["kernel"] = ("keyrings, System V memory, new namespaces and mounts refused (seccomp), "
+                        "no POSIX message queues" if ARCH else "keyrings, System V memory, new "
+                        "namespaces and mounts NOT refused (no seccomp on this architecture), no "
+                        "POSIX message queues")
     report["user"] = ("nobody (65534), no groups, no capabilities" if cfg["as_nobody"] else
                       "caller's uid, no capabilities" if mode == "userns" else "caller's uid")
     report["processes"] = (f"at most {PROCESSES} ({cfg['process_cap']})" if cfg["process_cap"] else

@@ -419,6 +419,23 @@ def test_keyrings_system_v_memory_and_message_queues_are_refused(pool):
     assert pool.run(KERNEL_STATE.format(add_key=add_key)).stdout == "-1 -1 -1 -1\n"
 
 
+NAMESPACES = ("import ctypes, subprocess, sys, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              "print(libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())\n"  # CLONE_NEWUSER | CLONE_NEWNS
+              "print(libc.mount(b'none', b'.', b'tmpfs', 0, None), ctypes.get_errno())\n"
+              "print(libc.syscall({clone}, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno())\n"  # | SIGCHLD
+              "t = threading.Thread(target=lambda: print('thread'))\nt.start()\nt.join()\n"
+              "print(subprocess.run([sys.executable, '-c', 'print(7)'], capture_output=True, text=True).stdout)")
+
+
+def test_a_program_may_make_no_namespace_or_mount_but_threads_and_processes(pool):
+    """In a user namespace of its own a program could mount a tmpfs and fill it, memory the address-space limit
+    does not count: unshare, mount and clone with CLONE_NEWUSER fail (EACCES), while threads and child
+    processes (glibc tries clone3, refused with ENOSYS, then clone) still start."""
+    clone = {"x86_64": 56, "aarch64": 220}[os.uname().machine]
+    result = pool.run(NAMESPACES.format(clone=clone))
+    assert result.stdout == "-1 13\n-1 13\n-1 13\nthread\n7\n\n", result
+
+
 def test_sympys_random_numbers_differ_between_programs(pool):
     code = "import sympy\nprint(sympy.core.random.randint(0, 10 ** 12))"
     assert len({pool.run(code).stdout for _ in range(3)}) == 3
