@@ -158,6 +158,7 @@ def _stated_answer(text):
     box_start, boxed = _last_run(text, _boxes(text))
     finals = [m for m in _FINAL_ANSWER.finditer(text) if box_start is None or m.start() > box_start]
     final = _sentence_answer(text, finals[-1]) if finals else None
+    final = final if final is None or _key(final) else None  # a blank sentence leaves the box
     # words that point back ("in the box above", "shown above", "correct") leave the box; "C",
     # "(C)", "five", "\pi" replace it
     words = re.findall(r"[a-z]+", final.lower()) if final else []

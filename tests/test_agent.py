@@ -125,6 +125,14 @@ def test_fences_inside_the_code_do_not_close_the_block(tokenizer, pool):
     assert t3rl.read_answers([{"problem": "?"}], [[completion]], MATH) == [["5"]]
 
 
+def test_an_answer_after_a_block_closed_mid_line_is_read(tokenizer, pool):
+    """A fence after the code on its line does not run the block (markdown's rule), but the policy reads on after
+    it: its answer is there, and the code is not in the text the answer is read from."""
+    completion = scripted_text(tokenizer, pool, "Check:\n```python\nprint(2+3)```\nSo \\boxed{5}.")
+    assert completion.tool_calls == [] and "print" not in completion.policy_text
+    assert t3rl.read_answers([{"problem": "?"}], [[completion]], MATH) == [["5"]]
+
+
 def test_a_block_closed_by_the_budgets_last_token_is_not_run(tokenizer, pool):
     """No room is left for its output: the row ends as kv-fast ends it, without a call."""
     script = "So \\boxed{1}.\n```python\nprint(1)\n```"

@@ -152,6 +152,7 @@ def test_a_blank_answer_is_no_answer_so_blanks_form_no_vote_class():
     assert blanks == [None, None, None]
     answers = blanks + [extract_answer("\\boxed{3}")] * 2
     assert answer_classes(answers, same=same_answer, key=answer_key) == [[3, 4]]
+    assert extract_answer("So \\boxed{5}. Final answer: $\\,$") == "5"  # a blank conclusion leaves the box
 
 
 @pytest.mark.parametrize("text, gold", [("x+0." + "1" * 4301, "x"),  # int() refuses 4300 digits

@@ -175,12 +175,18 @@ def test_a_gguf_converts_with_its_own_tokenizer_whatever_lies_beside_it(tmp_path
 
 
 def test_a_killed_conversions_folder_is_removed_by_the_next(tmp_path, monkeypatch):
+    """Both builds of an offline model (the assembled .gguf, the converted folder) leave GBs when killed."""
     stale = tmp_path / "out.tmp-99999"
     (stale / "sub").mkdir(parents=True)
     monkeypatch.setattr(model_lib.AutoTokenizer, "from_pretrained", lambda *a, **k: 1 / 0)
     with pytest.raises(model_lib.ModelLoadError):
         model_lib._convert_gguf(tmp_path / "m.gguf", tmp_path / "out")
     assert not stale.exists()
+    fake = _fake_parts(tmp_path, monkeypatch, _tiny_gguf(tmp_path / "whole.gguf"), [300])
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "m.gguf.tmp-99999").write_bytes(b"half a model")
+    model_lib.assemble_gguf(fake, tmp_path / "cache" / "m.gguf")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == ["m.gguf"]
 
 
 def test_an_offline_model_whose_parts_are_missing_is_refused_before_the_run(tmp_path, monkeypatch):

@@ -335,6 +335,7 @@ def test_an_optimizer_state_of_another_shape_stops_the_resume_in_one_line():
 
 
 def test_runs_started_in_one_second_get_folders_of_their_own(tmp_path, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)  # the first process claims
     monkeypatch.setattr(runs.time, "strftime", lambda fmt: "20260101-000000")
     cfg = parse_config(["--preset", "cpu", "--out-dir", str(tmp_path)])
     names = [runs.free_run_name(cfg) for _ in range(3)]
@@ -360,6 +361,32 @@ def test_ctrl_c_before_the_run_folder_exists_offers_no_resume(tmp_path, monkeypa
     with pytest.raises(SystemExit) as stop:
         t3rl.main(["--preset", "cpu", "--out-dir", str(tmp_path)])
     assert stop.value.code == "interrupted"
+
+
+def test_an_out_dir_that_is_a_dangling_link_ends_in_one_line(tmp_path, monkeypatch):
+    """A scratch disk that is not mounted: the name is found at once, and the folder's creation says why not."""
+    monkeypatch.delenv("RANK", raising=False)
+    (tmp_path / "runs").symlink_to(tmp_path / "not-mounted")
+    cfg = parse_config(["--preset", "cpu", "--out-dir", str(tmp_path / "runs")])
+    cfg.run_name = runs.free_run_name(cfg)
+    with pytest.raises(runs.RunDirError, match=r"--out-dir .*/runs: cannot write the run folder .*; pass a writable"):
+        runs.open_run_dir(cfg)
+
+
+def test_a_sigterm_after_one_that_was_swallowed_still_interrupts(monkeypatch):
+    """If the first KeyboardInterrupt is lost (raised inside a __del__, which Python only reports), SIGTERM must
+    still stop the run later: only a repeat soon after the first is taken as the launcher's."""
+    import signal
+    import time
+    monkeypatch.setattr(runs, "REPEATED_SIGTERM_S", 0.05)
+    with runs.sigterm_as_ctrl_c():
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except KeyboardInterrupt:
+            pass  # swallowed
+        time.sleep(0.1)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 def test_a_second_sigterm_does_not_cut_the_cleanup_the_first_started():
