@@ -140,14 +140,15 @@ ROLLOUT_FIELDS = ("answers", "v", "status", "result", "policy_tokens", "verifier
 AGENT_FIELDS = ("agent_answers", "agent_tokens", "agent_tool_tokens", "agent_text", "agent_calls")
 
 
-def read_rows(run_dir: Path) -> list[dict]:
-    """The finished questions of a study. A last line cut short by a kill is dropped (and cut from
-    the file), so that question is sampled again."""
+def read_rows(run_dir: Path, fields=("id", "gold", "answers", "v")) -> list[dict]:
+    """The finished questions of a study, each with `fields` (a line without one is named). A last
+    line cut short by a kill is dropped (and cut from the file), so that question is sampled
+    again."""
     path = run_dir / STUDY_FILE
     drop_torn_tail(path)
     rows = list(jsonl_objects(path, torn_tail_ok=True)) if path.is_file() else []
     for lineno, row in rows:
-        missing = [key for key in ("id", "gold", "level", *ROLLOUT_FIELDS) if key not in row]
+        missing = [key for key in fields if key not in row]
         if missing:
             raise DataError(f"{path}:{lineno}: no {', '.join(missing)} in it; delete that line "
                             f"(its question is sampled again) or restore the file from a copy")
@@ -413,7 +414,7 @@ def plot(path: Path, correct, draws, ks, omegas, costs, title: str, read_omega: 
 def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> str:
     """Every number of the study from study.jsonl alone (classes, equiv: the benchmark's answer
     domain, as in score): returns the table, writes it to table.txt and the plot to study.png."""
-    rows = read_rows(run_dir)
+    rows = read_rows(run_dir, ("id", "gold", "level", *ROLLOUT_FIELDS))
     if not rows:
         raise SystemExit(f"{run_dir}: no {STUDY_FILE} with finished questions; "
                          f"run `python -m extensions.study` first")
