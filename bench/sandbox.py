@@ -43,6 +43,8 @@ SELFTEST = [  # (name, code, timeout, check on Result)
     ("segfault", "import ctypes\nctypes.string_at(0)", 5, lambda r: r.status == "killed"),
     ("kill parent", "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)\nprint('alive')", 5,
      lambda r: r.status in ("ok", "error")),
+    ("own namespace", "import ctypes\nprint(ctypes.CDLL(None).unshare(0x10000000))", 5,  # CLONE_NEWUSER
+     lambda r: r.stdout == "-1\n"),
     ("invalid UTF-8", "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe ok')", 5,
      lambda r: r.stdout == "\ufffd\ufffd ok"),
 ]

@@ -25,12 +25,14 @@ import contextlib
 import gc
 import importlib
 import os
+import random
 import sys
 import tempfile
 import threading
 import time
 import weakref
 
+import numpy as np
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -42,10 +44,12 @@ ENGINE_KV_CACHE_GIB = 1
 # GPU: the share of its memory each engine takes (TRL's colocate default)
 GPU_MEMORY_UTILIZATION = 0.3
 
-# The engine runs in this process (not in a child): weights go in from memory, and a CPU process
-# keeps the cores torch already uses. Set before vllm is imported; a user's own values win.
-ENGINE_ENVIRONMENT = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-                      "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_LOGGING_LEVEL": "WARNING"}
+# The engine runs in this process (not in a child): weights go in from memory (a generator of
+# tensors, which a child's RPC cannot carry), so that one is set whatever the user's; the others are
+# defaults (a CPU process keeps the cores torch already uses). Set before vllm is imported.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ENGINE_ENVIRONMENT = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                      "VLLM_LOGGING_LEVEL": "WARNING"}
 
 
 class EngineUnavailable(OptionError):
@@ -199,6 +203,17 @@ def parameter_versions(model) -> tuple | None:
     return tuple((p.data_ptr(), p._version) for p in parameters)
 
 
+@contextlib.contextmanager
+def kept_random_state():
+    """Python's, numpy's and torch's (CUDA's too) generators as they were, whatever the block
+    seeds."""
+    python, numpy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        yield
+    random.setstate(python)
+    np.random.set_state(numpy)
+
+
 class Engine:
     def __init__(self, model, tokenizer, dtype: torch.dtype, sleeps: bool, frozen: bool):
         gpu = torch.cuda.is_available()
@@ -209,6 +224,7 @@ class Engine:
                                     "start the others with sleeps=False")
         for name, value in ENGINE_ENVIRONMENT.items():
             os.environ.setdefault(name, value)
+        os.environ.update(IN_PROCESS)
         LLM = import_vllm().LLM
         started = time.perf_counter()
         self.dtype, self.synced, self.asleep, self.syncs = dtype, None, False, 0
@@ -227,10 +243,17 @@ class Engine:
                           else dict(enforce_eager=True,
                                     kv_cache_memory_bytes=ENGINE_KV_CACHE_GIB << 30))
             memory.update(executor(os.environ))
-            self.llm = LLM(model=folder, load_format="dummy",
-                           dtype=str(dtype).removeprefix("torch."), seed=0,
-                           logprobs_mode="processed_logprobs", enable_prefix_caching=True,
-                           **memory)
+            try:
+                with kept_random_state():  # vLLM's worker seeds every global generator
+                    self.llm = LLM(model=folder, load_format="dummy",
+                                   dtype=str(dtype).removeprefix("torch."), seed=0,
+                                   logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+                                   **memory)
+            except ValueError as err:  # e.g. no room for one request of the model's whole context
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+                raise EngineUnavailable(f"vLLM cannot start for {type(model).__name__}: {reason}; "
+                                        f"give it more memory (VLLM_CPU_KVCACHE_SPACE, GiB, on a "
+                                        f"CPU) or pass --backend kv-fast") from None
         print(f"[engine] vLLM engine for {type(model).__name__} ({dtype}) started in "
               f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
 

@@ -315,3 +315,45 @@ def test_one_launched_process_starts_its_engines_on_the_launchers_executor(engin
                       eval_samples=1)
     assert "process 0 of 1: executors external_launcher external_launcher" in done.stdout
     assert [r["kind"] for r in rows(tmp_path / "out" / "run", "metrics.jsonl")] == ["eval", "train", "eval"]
+
+
+def test_starting_an_engine_leaves_the_global_generators_as_they_were(engine_dir, tokenizer):
+    """vLLM's worker seeds Python's, numpy's and torch's generators as it starts in this process: a run's
+    restored or seeded state must survive it."""
+    import random
+
+    import numpy as np
+    from machinery.model import load_model
+    model, _ = load_model(str(engine_dir))
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    expected = (random.random(), float(np.random.rand()), float(torch.rand(())))
+    random.seed(7), np.random.seed(7), torch.manual_seed(7)
+    engine.start(model, tokenizer, torch.float32)
+    assert (random.random(), float(np.random.rand()), float(torch.rand(()))) == expected
+    engine.stop()
+
+
+def test_the_engine_runs_in_the_trainers_process_whatever_the_user_set(engine_dir, tokenizer, monkeypatch):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1 would put the engine in a child, which the weights (a generator of
+    tensors) cannot reach: it is set to 0, and the engine samples the trainer's weights."""
+    from machinery.model import load_model
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    model, _ = load_model(str(engine_dir))
+    greedy = dict(n=1, max_new_tokens=4, temperature=0, dtype=torch.float32)
+    assert (sample(model, tokenizer, [[9707, 11]], backend="vllm", **greedy)[0][0].token_ids
+            == sample(model, tokenizer, [[9707, 11]], backend="hf", **{**greedy, "dtype": None})[0][0].token_ids)
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    engine.stop()
+
+
+def test_a_context_the_engines_memory_cannot_hold_is_named_in_one_line(tmp_path, tokenizer):
+    from machinery.model import load_model
+    folder = tmp_path / "long"
+    model = tiny_engine_model(len(tokenizer))
+    model.config.max_position_embeddings = 1 << 21  # 2M positions of 1 KiB: past the 1 GiB KV budget
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model, _ = load_model(str(folder))
+    with pytest.raises(engine.EngineUnavailable, match=r"vLLM cannot start for Qwen2ForCausalLM: .*; give it more "
+                                                       r"memory .* or pass --backend kv-fast"):
+        engine.start(model, tokenizer, torch.float32)
