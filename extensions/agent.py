@@ -44,14 +44,13 @@ TOOL_INSTRUCTION = ("\nYou may use Python to compute: a block\n```python\nCODE\n
                     "what it prints is shown to you as\n```output\n...\n```\nThen go on reasoning "
                     "and state the final answer as asked.")
 # a whole block, up to its closing fence (the tokens since the row's last output: an earlier block
-# is not seen); a fence closes at the start of a line, as in markdown, so ``` in the code does not
-PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)^[ \t]*```",
+# is not seen); as in markdown a fence closes on a line of its own, so ``` in the code does not
+PYTHON_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n(.*?)^[ \t]*```[ \t]*$",
                           re.DOTALL | re.IGNORECASE | re.MULTILINE)
 OUTPUT_CHARS = 1000  # longer output keeps its end (where the result is printed), marked as cut
-# a block in a rollout's text, closed (a fence that ends a line counts here too: the policy reads on
-# after it, so its answer is after it) or cut off by the token budget
-CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n.*?(?:^[ \t]*```|```[ \t]*$|\Z)",
-                        re.DOTALL | re.IGNORECASE | re.MULTILINE)
+# a block that did not run: closed after its code on a line (the policy reads on after the fence),
+# or cut off by the token budget
+CODE_BLOCK = re.compile(r"```[ \t]*(?:python3?|py)[ \t]*\n.*?(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 
 
 @dataclass
@@ -232,8 +231,22 @@ def generate(model, tokenizer, prompts, n, sampling_, seed, backend, tools):
                                                 tools))]
     sampler.decode_texts(rows, tokenizer)
     for c in rows if tokenizer is not None else ():  # the answer is what the policy stated
-        c.policy_text = CODE_BLOCK.sub("", c.policy_text) if c.tool_calls is not None else c.text
+        c.policy_text = policy_text(c, tokenizer) if c.tool_calls is not None else c.text
     return [rows[p * n:(p + 1) * n] for p in range(len(prompt_ids))]
+
+
+def policy_text(c, tokenizer) -> str:
+    """What the policy wrote, without code: its own tokens between the tools' outputs, each part
+    before an output without the block that ran there, then without any block left (not run)."""
+    parts = [[]]
+    for token, tool in zip(c.token_ids, c.tool_mask):
+        if not tool:
+            parts[-1].append(token)
+        elif parts[-1]:
+            parts.append([])
+    texts = [tokenizer.decode(part, skip_special_tokens=True) for part in parts]
+    texts = [PYTHON_BLOCK.sub("", text) for text in texts[:-1]] + texts[-1:]
+    return CODE_BLOCK.sub("", "\n".join(texts))
 
 
 def sample_with_tools(continue_rows, prompt_ids, n, sampling, prompt_seeds, tools) -> list[dict]:

@@ -208,10 +208,12 @@ def kept_random_state():
     """Python's, numpy's and torch's (CUDA's too) generators as they were, whatever the block
     seeds."""
     python, numpy = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
-        yield
-    random.setstate(python)
-    np.random.set_state(numpy)
+    try:
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+            yield
+    finally:
+        random.setstate(python)
+        np.random.set_state(numpy)
 
 
 class Engine:
@@ -249,11 +251,14 @@ class Engine:
                                    dtype=str(dtype).removeprefix("torch."), seed=0,
                                    logprobs_mode="processed_logprobs", enable_prefix_caching=True,
                                    **memory)
-            except ValueError as err:  # e.g. no room for one request of the model's whole context
-                reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            except ValueError as err:
+                if "KV cache" not in str(err):  # vLLM's: no room for one request of the context
+                    raise
+                reason = str(err).strip().splitlines()[0][:300]
                 raise EngineUnavailable(f"vLLM cannot start for {type(model).__name__}: {reason}; "
-                                        f"give it more memory (VLLM_CPU_KVCACHE_SPACE, GiB, on a "
-                                        f"CPU) or pass --backend kv-fast") from None
+                                        f"give its KV cache more memory (on a CPU "
+                                        f"VLLM_CPU_KVCACHE_SPACE, GiB) or pass --backend "
+                                        f"kv-fast") from None
         print(f"[engine] vLLM engine for {type(model).__name__} ({dtype}) started in "
               f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
 

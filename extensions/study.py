@@ -137,6 +137,7 @@ def run_config(run_dir: Path) -> dict:
 
 ROLLOUT_FIELDS = ("answers", "v", "status", "result", "policy_tokens", "verifier_tokens", "text",
                   "program")
+STUDY_FIELDS = ("id", "gold", "level", *ROLLOUT_FIELDS)  # what collect and report read of a line
 AGENT_FIELDS = ("agent_answers", "agent_tokens", "agent_tool_tokens", "agent_text", "agent_calls")
 
 
@@ -165,7 +166,7 @@ def collect(records: list[dict], run_dir: Path, sample_and_verify, batch_size: i
     rollouts); `batch_size` questions per call. New questions' lines are appended, grown ones
     replace the file (atomically), batch by batch."""
     path = run_dir / STUDY_FILE
-    saved = {row["id"]: row for row in read_rows(run_dir)}  # in file order
+    saved = {row["id"]: row for row in read_rows(run_dir, STUDY_FIELDS)}  # in file order
 
     def have(rec):
         return len(saved[rec["id"]]["answers"]) if rec["id"] in saved else 0
@@ -414,7 +415,7 @@ def plot(path: Path, correct, draws, ks, omegas, costs, title: str, read_omega: 
 def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> str:
     """Every number of the study from study.jsonl alone (classes, equiv: the benchmark's answer
     domain, as in score): returns the table, writes it to table.txt and the plot to study.png."""
-    rows = read_rows(run_dir, ("id", "gold", "level", *ROLLOUT_FIELDS))
+    rows = read_rows(run_dir, STUDY_FIELDS)
     if not rows:
         raise SystemExit(f"{run_dir}: no {STUDY_FILE} with finished questions; "
                          f"run `python -m extensions.study` first")

@@ -119,9 +119,10 @@ def test_agent_max_calls_leaves_a_later_block_unrun(tokenizer, pool):
 def test_fences_inside_the_code_do_not_close_the_block(tokenizer, pool):
     """Markdown closes a block at a fence that starts a line: a string holding ``` is code, the whole block runs,
     and a box inside the code is never the rollout's answer."""
-    script = "```python\ns = 'a```b'\nt = '\\\\boxed{99}'\nprint(len(s))\n```|So \\boxed{5}."
+    script = "```python\ns = 'a```b'  # not ```\nt = '\\\\boxed{99}'\nprint(len(s))\n```|So \\boxed{5}."
     completion = scripted_text(tokenizer, pool, script)
     assert [(c.status, c.output) for c in completion.tool_calls] == [("ok", "5")]
+    assert "print" not in completion.policy_text  # the block that ran leaves the text whole
     assert t3rl.read_answers([{"problem": "?"}], [[completion]], MATH) == [["5"]]
 
 

@@ -354,6 +354,6 @@ def test_a_context_the_engines_memory_cannot_hold_is_named_in_one_line(tmp_path,
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     model, _ = load_model(str(folder))
-    with pytest.raises(engine.EngineUnavailable, match=r"vLLM cannot start for Qwen2ForCausalLM: .*; give it more "
-                                                       r"memory .* or pass --backend kv-fast"):
+    with pytest.raises(engine.EngineUnavailable, match=r"vLLM cannot start for Qwen2ForCausalLM: .*KV cache.*; give "
+                                                       r"its KV cache more memory .* or pass --backend kv-fast"):
         engine.start(model, tokenizer, torch.float32)

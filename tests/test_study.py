@@ -309,3 +309,13 @@ def test_a_study_report_names_a_damaged_line_and_refuses_omegas_it_does_not_take
         with pytest.raises(SystemExit) as stop:
             study.main(argv)
         assert re.search(line, str(stop.value.code)) and "\n" not in str(stop.value.code), stop.value.code
+
+
+def test_a_study_line_without_a_field_is_named_before_anything_is_sampled(tmp_path):
+    """collect reads what it has first: a damaged line stops the study at once, not after hours of sampling."""
+    row = study_row("q0", "5", ["5"] * 4, [1, 0, 0, 0])
+    del row["policy_tokens"]
+    (tmp_path / "study.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(study.DataError, match=r"study.jsonl:1: no policy_tokens in it"):
+        study.collect([{"id": "q0", "problem": "?", "answer": "5"}], tmp_path,
+                      lambda *args: pytest.fail("sampled before reading the study"), 1, 4)
