@@ -76,10 +76,11 @@ PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 # mount_setattr): in a user namespace of its own a snippet could mount a tmpfs, memory the
 # address-space limit does not count
 _MOUNT_API = (428, 429, 430, 431, 432, 433, 442)
-ARCH = {"x86_64": (0xC000003E, 126, 41, 425, 56, 435,
-                   (248, 249, 250, 29, 68, 272, 308, 165, 155, *_MOUNT_API)),
-        "aarch64": (0xC00000B7, 91, 198, 425, 220, 435,
-                    (217, 218, 219, 194, 186, 97, 268, 40, 41, *_MOUNT_API))}.get(platform.machine())
+ARCHES = {"x86_64": (0xC000003E, 126, 41, 425, 56, 435,
+                     (248, 249, 250, 29, 68, 272, 308, 165, 155, *_MOUNT_API)),
+          "aarch64": (0xC00000B7, 91, 198, 425, 220, 435,
+                      (217, 218, 219, 194, 186, 97, 268, 40, 41, *_MOUNT_API))}
+ARCH = ARCHES.get(platform.machine())
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -128,8 +129,8 @@ def _drop_capabilities():
 def _seccomp(block_sockets):
     """Seccomp filter: the calls ARCH denies fail with EACCES, and so do clone with CLONE_NEWUSER
     and socket() unless the family is AF_UNIX (block_sockets: no network namespace); clone3, whose
-    flags a filter cannot read, fails with ENOSYS, so that the C library falls back to clone; io_uring
-    (which can open sockets) and other ABIs (x32, 32-bit) are refused outright."""
+    flags a filter cannot read, fails with ENOSYS, so that the C library falls back to clone;
+    io_uring (which can open sockets) and other ABIs (x32, 32-bit) are refused outright."""
     audit_arch, _, nr_socket, nr_io_uring, nr_clone, nr_clone3, denied = ARCH
     ld, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     calls = [*denied, nr_io_uring] if block_sockets else list(denied)
