@@ -83,11 +83,10 @@ def generate(model, tokenizer, prompts, n: int, sampling: Sampling, *, seed=None
 
 
 def decode_texts(rows, tokenizer):
-    """Each completion's text, and its policy_text: the text without the tokens a tool appended."""
+    """Each completion's text, and its policy_text as the same (the agent's rows then get theirs:
+    without the tools' output and the code, extensions/agent.py)."""
     for c in rows if tokenizer is not None else ():
-        c.text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
-        own = [t for t, tool in zip(c.token_ids, c.tool_mask or []) if not tool]
-        c.policy_text = tokenizer.decode(own, skip_special_tokens=True) if c.tool_mask else c.text
+        c.text = c.policy_text = tokenizer.decode(c.token_ids, skip_special_tokens=True)
 
 
 def checked_arguments(model, tokenizer, prompts, n, sampling: Sampling, seed):

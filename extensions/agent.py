@@ -231,7 +231,8 @@ def generate(model, tokenizer, prompts, n, sampling_, seed, backend, tools):
                                                 tools))]
     sampler.decode_texts(rows, tokenizer)
     for c in rows if tokenizer is not None else ():  # the answer is what the policy stated
-        c.policy_text = policy_text(c, tokenizer) if c.tool_calls is not None else c.text
+        if c.tool_calls is not None:
+            c.policy_text = policy_text(c, tokenizer)
     return [rows[p * n:(p + 1) * n] for p in range(len(prompt_ids))]
 
 

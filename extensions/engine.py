@@ -37,6 +37,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from config import OptionError, builds_verifier
+from machinery.runs import first_line
 from sampler import Completion, checked_arguments, decode_texts
 
 # CPU: KV-cache memory per engine (vLLM's default would take 90 % of the machine's memory)
@@ -254,11 +255,10 @@ class Engine:
             except ValueError as err:
                 if "KV cache" not in str(err):  # vLLM's: no room for one request of the context
                     raise
-                reason = str(err).strip().splitlines()[0][:300]
-                raise EngineUnavailable(f"vLLM cannot start for {type(model).__name__}: {reason}; "
-                                        f"give its KV cache more memory (on a CPU "
-                                        f"VLLM_CPU_KVCACHE_SPACE, GiB) or pass --backend "
-                                        f"kv-fast") from None
+                raise EngineUnavailable(f"vLLM cannot start for {type(model).__name__}: "
+                                        f"{first_line(err, 300)}; give its KV cache more memory "
+                                        f"(on a CPU VLLM_CPU_KVCACHE_SPACE, GiB) or pass "
+                                        f"--backend kv-fast") from None
         print(f"[engine] vLLM engine for {type(model).__name__} ({dtype}) started in "
               f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
 

@@ -42,7 +42,7 @@ from config import parse_config
 from extensions import agent
 from machinery import model
 from machinery.benchmarks import load_bench
-from machinery.metrics import group_metrics, level_order
+from machinery.metrics import group_metrics, levels_of
 from machinery.runs import (DataError, RunDirError, append_jsonl, drop_torn_tail, jsonl_objects,
                             settle, write_jsonl)
 from sampler import Sampling
@@ -84,7 +84,7 @@ def stratified(records: list[dict], limit: int, seed: int) -> list[dict]:
     """`limit` questions spread evenly over MATH levels (a seeded shuffle within each level, then
     one question of each level in turn), so a study stopped early is still balanced. Without
     levels: the first `limit`."""
-    levels = sorted({r["level"] for r in records if r.get("level") is not None}, key=level_order)
+    levels = levels_of(records)
     if not levels:
         return records[:limit or None]
     pools = {lv: [r for r in records if r.get("level") == lv] for lv in levels}
@@ -272,7 +272,7 @@ def accuracy_table(correct, draws, ks, omegas, costs) -> list[str]:
 
 def level_table(rows, correct, ks, omega, seed: int, resamples: int) -> list[str]:
     """TTRL vs T3RL at `omega` per MATH level and for levels 4-5 together, each k."""
-    levels = sorted({r["level"] for r in rows if r["level"] is not None}, key=level_order)
+    levels = levels_of(rows)
     if not levels:
         return []
     groups = [(f"level {lv}", [r["level"] == lv for r in rows]) for lv in levels]
@@ -428,7 +428,7 @@ def report(run_dir: Path, classes: dict, equiv, resamples: int = RESAMPLES) -> s
     right = [[a is not None and equiv(a, r["gold"]) for a in r["answers"]] for r in rows]
     costs = token_costs(rows, ks)
     draws = bootstrap_draws(len(rows), seed, resamples)
-    levels = sorted({r["level"] for r in rows if r["level"] is not None}, key=level_order)
+    levels = levels_of(rows)
     title = (f"{run_dir.name}: {len(rows)} questions, k up to {ks[-1]}; "
              f"policy {cfg.get('model', '?')}, verifier {cfg.get('verifier_model', '?')}")
     per_level = ", ".join(f"level {lv}: {sum(r['level'] == lv for r in rows)}" for lv in levels)

@@ -15,7 +15,7 @@ from pathlib import Path
 from huggingface_hub import snapshot_download
 
 from config import BENCHES
-from machinery.runs import DataError, jsonl_objects
+from machinery.runs import DataError, first_line, jsonl_objects
 
 # the repository, whose data/ holds the bundled benchmarks
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,7 +60,7 @@ def load_bench(name: str) -> list[dict]:
         rows = download_hub_rows(dataset, files)
     except OSError as err:
         # the client's errors (offline, unreachable, not found, gated) are all OSErrors
-        reason = (str(err).strip() or type(err).__name__).splitlines()[0]
+        reason = first_line(err)
         where = "not found locally" if not data_dir else (
             f"not found in T3RL_DATA_DIR={data_dir}"
             f"{'' if Path(data_dir).is_dir() else ' (no such folder)'} nor in data/")
@@ -74,7 +74,7 @@ def load_bench(name: str) -> list[dict]:
 def read_jsonl(path: Path) -> list[dict]:
     """Benchmark records {id, problem, answer, ...} from a JSON-lines file; errors name the file and
     the line."""
-    records, first_line = [], {}
+    records, line_of = [], {}
     for lineno, rec in jsonl_objects(path):
         for key in ("problem", "answer"):
             if rec.get(key) in (None, ""):
@@ -98,10 +98,10 @@ def read_jsonl(path: Path) -> list[dict]:
             raise DataError(f"{path}:{lineno}: holds a lone surrogate escape (\\ud800-\\udfff), "
                             f"which is no character; fix or delete that line") from None
         rec["id"] = str(f"{path.stem}-{lineno}" if rec.get("id") is None else rec["id"])
-        if rec["id"] in first_line:
+        if rec["id"] in line_of:
             raise DataError(f"{path}:{lineno}: id '{rec['id']}' is already used on line "
-                            f"{first_line[rec['id']]}; give every question its own id")
-        first_line[rec["id"]] = lineno
+                            f"{line_of[rec['id']]}; give every question its own id")
+        line_of[rec["id"]] = lineno
         records.append(rec)
     if not records:
         raise DataError(f"{path}: no records; the file is empty")

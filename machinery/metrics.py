@@ -202,9 +202,10 @@ def eval_row(rec, greedy_answer, answers, verified, domain: Domain, omega: float
     return row
 
 
-def level_order(level):
-    """Numbers first, then names: a file may give both (1, 2, "olympiad")."""
-    return isinstance(level, str), level
+def levels_of(rows) -> list:
+    """The rows' levels, each once, numbers first, then names: a file may give both (1, 2,
+    "olympiad")."""
+    return sorted({r.get("level") for r in rows} - {None}, key=lambda lv: (isinstance(lv, str), lv))
 
 
 def eval_metrics(rows: list[dict], k: int) -> dict:
@@ -221,7 +222,7 @@ def eval_metrics(rows: list[dict], k: int) -> dict:
         keys = [key for key in rows[0] if key not in ("id", "level", "runs", "greedy@1")]
         return result | {key: statistics.fmean(r[key] for r in rows) for key in keys}
     result = reduce(rows)
-    levels = sorted({r["level"] for r in rows if r["level"] is not None}, key=level_order)
+    levels = levels_of(rows)
     if levels:
         result["by_level"] = {lv: reduce([r for r in rows if r["level"] == lv]) for lv in levels}
     return result

