@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 import answers
 from answers import EQUIV_TIME_LIMIT_S, answer_key, is_equiv
+from machinery.symbolic import worker
 
 EQUIV_CASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "equiv_cases.jsonl")
 
@@ -50,7 +51,7 @@ def bench_equiv(path=EQUIV_CASES):
     logging.getLogger("math_verify").setLevel(logging.CRITICAL)
     with open(path) as f:
         cases = [json.loads(line) for line in f]
-    answers._worker.equal("x", "x", EQUIV_TIME_LIMIT_S)  # start the helper process outside the timings
+    worker.equal("x", "x", EQUIV_TIME_LIMIT_S)  # start the helper process outside the timings
     checkers = {"string match": _string_match, "math-verify": _bare_math_verify, "is_equiv": _is_equiv_uncached}
     results = {name: _run_checker(check, cases, name) for name, check in checkers.items()}
     equal = sum(c["equal"] for c in cases)
@@ -63,8 +64,10 @@ def bench_equiv(path=EQUIV_CASES):
               f"{statistics.median(times):>11.2f}{max(times):>9.1f}")
     symbolic_ms = [t for t, c in zip(results["is_equiv"][1], cases)
                    if answers._decided_by_strings(answer_key(c["pred"]), answer_key(c["gold"])) is None]
-    print(f"is_equiv sent {len(symbolic_ms)} of {len(cases)} cases to sympy: median {statistics.median(symbolic_ms):.2f} ms, "
-          f"max {max(symbolic_ms):.1f} ms; the rest were decided by answer_key alone")
+    timing = (f": median {statistics.median(symbolic_ms):.2f} ms, max {max(symbolic_ms):.1f} ms"
+              if symbolic_ms else "")
+    print(f"is_equiv sent {len(symbolic_ms)} of {len(cases)} cases to sympy{timing}; the rest were decided by "
+          f"answer_key alone")
     print(f"\n{'category':<16}{'cases':>6}{'math-verify':>13}{'is_equiv':>10}   (right; false positives in brackets)")
     for category in sorted({c["category"] for c in cases}):
         rows = [i for i, c in enumerate(cases) if c["category"] == category]
@@ -84,8 +87,8 @@ def bench_equiv(path=EQUIV_CASES):
 
 def main():
     parser = argparse.ArgumentParser(description="measure answers.is_equiv on data/equiv_cases.jsonl")
-    parser.parse_args()
-    bench_equiv()
+    parser.add_argument("--cases", default=EQUIV_CASES, help="a JSONL file of {pred, gold, equal, category}")
+    bench_equiv(parser.parse_args().cases)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from answers import answer_key, extract_answer, is_equiv, same_answer
-from bench.answers import EQUIV_CASES
+from bench.answers import EQUIV_CASES, bench_equiv
 from voting import answer_classes
 
 
@@ -135,6 +135,19 @@ def test_is_equiv_on_the_labelled_set_has_no_false_positive():
     right = sum(is_equiv(c["pred"], c["gold"]) == c["equal"] for c in cases)
     assert false_pos == []
     assert right / len(cases) >= 0.985
+
+
+def test_the_answer_benchmark_scores_each_checker(tmp_path, capsys):
+    """python -m bench.answers, on two labelled pairs: every checker's row, is_equiv's sympy share."""
+    cases = [{"pred": "\\frac{1}{2}", "gold": "0.5", "equal": True, "category": "fraction"},
+             {"pred": "3", "gold": "4", "equal": False, "category": "integer"}]
+    path = tmp_path / "cases.jsonl"
+    path.write_text("".join(json.dumps(c) + "\n" for c in cases))
+    bench_equiv(str(path))
+    out = capsys.readouterr().out
+    assert f"2 labelled cases (1 equal, 1 not equal) from {path}" in out
+    assert [line.split()[0] for line in out.splitlines()[2:5]] == ["string", "math-verify", "is_equiv"]
+    assert "is_equiv sent" in out and "fraction" in out
 
 
 def test_a_tuple_never_equals_a_set_so_a_wrong_order_joins_no_vote_class():
