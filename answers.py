@@ -158,13 +158,13 @@ def _stated_answer(text):
     box_start, boxed = _last_run(text, _boxes(text))
     finals = [m for m in _FINAL_ANSWER.finditer(text) if box_start is None or m.start() > box_start]
     final = _sentence_answer(text, finals[-1]) if finals else None
-    final = final if final is None or _key(final) else None  # a blank sentence leaves the box
-    # words that point back ("in the box above", "shown above", "correct") leave the box; "C",
-    # "(C)", "five", "\pi" replace it
+    # a blank sentence and words that point back ("in the box above", "shown above", "correct")
+    # leave the box; "C", "(C)", "five", "\pi" replace it
     words = re.findall(r"[a-z]+", final.lower()) if final else []
-    if final and (boxed is None or re.search(r"[\d\\]", final)
-                  or not (len(words) >= 3 or set(words) <= _POINTING_BACK)
-                  or _MATH_SPAN.match(_EMPHASIS.sub("", text[finals[-1].end():]))):
+    if final and _key(final) and (
+            boxed is None or re.search(r"[\d\\]", final)
+            or not (len(words) >= 3 or set(words) <= _POINTING_BACK)
+            or _MATH_SPAN.match(_EMPHASIS.sub("", text[finals[-1].end():]))):
         return final
     if boxed is not None:
         return boxed
@@ -180,9 +180,10 @@ def _stated_answer(text):
 # --------------------------------------------------------------------------------------------------
 # Canonical keys (string rules only)
 
-_UNICODE = {"\u2212": "-", "\u221e": r"\infty", "\u2264": r"\le ", "\u2265": r"\ge ",
-            "\u00b0": r"^\circ", "\u00d7": r"\times ", "\u00b7": r"\cdot ", "\u03c0": r"\pi ",
-            "\u00b1": r"\pm ", "\u222a": r"\cup ", "\u2009": r"\,", "\u202f": r"\,", "\u00a0": " "}
+_UNICODE = str.maketrans({
+    "\u2212": "-", "\u221e": r"\infty", "\u2264": r"\le ", "\u2265": r"\ge ", "\u00b0": r"^\circ",
+    "\u00d7": r"\times ", "\u00b7": r"\cdot ", "\u03c0": r"\pi ", "\u00b1": r"\pm ",
+    "\u222a": r"\cup ", "\u2009": r"\,", "\u202f": r"\,", "\u00a0": " "})
 _SPACING = re.compile(r"(?<!\\)\\[,;:! ]|\\q?quad|~")
 _UNITS = (r"(?:square\s+|sq\.?\s+|cubic\s+)?(?:units?|cm|mm|km|m|meters?|metres?|inch(?:es)?|in|"
           r"feet|foot|ft|yards?|miles?|mph|seconds?|minutes?|hours?|days?|years?|cents?|dollars?|"
@@ -240,9 +241,7 @@ def _strip_delimiters(s):
 def _as_fraction(sign, whole, num, den):
     if Fraction(den) == 0:
         return None
-    value = Fraction(num) / Fraction(den)
-    if whole:
-        value += int(whole)
+    value = int(whole or 0) + Fraction(num) / Fraction(den)
     return -value if sign == "-" else value
 
 
@@ -302,8 +301,7 @@ def _strip_group(s):
 
 def _strip_presentation(s):
     r"""Presentation-free spelling of one answer (no outer structure handled here)."""
-    for old, new in _UNICODE.items():
-        s = s.replace(old, new)
+    s = s.translate(_UNICODE)
     s = _strip_delimiters(s)
     s = _strip_group(s)
     s = re.sub(r"\\(?:left|right)\s*[.]", "", s)
@@ -321,11 +319,8 @@ def _strip_presentation(s):
                s)
     s = re.sub(r"\\\$|\$", "", s)
     s = re.sub(r"^\\text\{\s*\}", "", s)
-    while True:
-        stripped = _TRAILING_UNIT.sub("", s)
-        if stripped == s:
-            break
-        s = stripped
+    while _TRAILING_UNIT.search(s):
+        s = _TRAILING_UNIT.sub("", s)
     s = re.sub(r"\s*\\text\{\s*and\s*\}\s*|\s+and\s+", ", ", s)  # "p=-1 \text{ and } p=2": a list
     # "or" written out, and in words between values outside any group ('x=-1 or x=2', not
     # '\text{yes or no}'): _structure reads it
@@ -341,8 +336,8 @@ def _strip_presentation(s):
 
 
 def _canonical_atom(s):
-    r"""Key of one value: a number as an exact fraction, else a tidy expression."""
-    s = "".join(s.split())
+    r"""Key of one value (without whitespace: _structure took it out): a number as an exact
+    fraction, else a tidy expression."""
     s = re.sub(r"^(\d+)_\{(\d+)\}$", r"\1_\2", s)
     s = re.sub(r"\\frac([^{\\])([^{\\])", r"\\frac{\1}{\2}", s)
     s = re.sub(r"\\frac\{([^{}]*)\}([^{\\])", r"\\frac{\1}{\2}", s)
@@ -487,9 +482,8 @@ def _structure(s):
 
 def _interval_or_none(s):
     r"""Key of '(a,b]' style intervals/tuples and of one-variable inequalities, else None."""
-    inequality = _inequality_interval(s) if re.search(r"[<>]", s) else None
-    if inequality:
-        s = inequality
+    if re.search(r"[<>]", s):
+        s = _inequality_interval(s) or s
     m = re.fullmatch(r"([(\[])(.*)([)\]])", s)
     if not m:
         return None

@@ -49,9 +49,8 @@ class Range:
 COUNT, AT_LEAST_ONE, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
 SHARE = Range(0, 1, low_open=True, high_open=False)
 # each field's type, as check_config accepts it (a config.json edited by hand may hold any JSON)
-TYPES = {"bool": bool, "int": int, "float": (int, float), "str": str}
-TYPE_NAMES = {"bool": "true or false", "int": "a whole number", "float": "a number",
-              "str": "a string"}
+TYPES = {bool: bool, int: int, float: (int, float), str: str}
+TYPE_NAMES = {bool: "true or false", int: "a whole number", float: "a number", str: "a string"}
 
 
 def option(default, doc: str, allowed=None):
@@ -202,14 +201,13 @@ def parse_config(argv=None, gpu: bool = False) -> Config:
     parser = argparse.ArgumentParser(prog="t3rl.py", argument_default=argparse.SUPPRESS,
                                      description="T3RL: tool-verified test-time RL, on TTRL")
     for f in fields(Config):
-        allowed, kind = f.metadata["allowed"], {"int": int, "float": float, "str": str}
+        allowed = f.metadata["allowed"]
         text = (f.metadata["doc"] + f" (default: {f.default})").replace("%", "%%")
-        if f.type in (bool, "bool"):
+        if f.type is bool:
             parser.add_argument(flag(f.name), action=argparse.BooleanOptionalAction, help=text)
         else:
-            name = f.type if isinstance(f.type, str) else f.type.__name__
             choices = f"; one of {' | '.join(allowed)}" if isinstance(allowed, tuple) else ""
-            parser.add_argument(flag(f.name), type=kind[name], help=text + choices)
+            parser.add_argument(flag(f.name), type=f.type, help=text + choices)
     given = vars(parser.parse_args(argv))
     return resumed_config(given) if given.get("resume") else new_config(given, gpu)
 
@@ -286,9 +284,8 @@ def check_config(cfg: Config):
     other."""
     for f in fields(Config):
         value, allowed = getattr(cfg, f.name), f.metadata["allowed"]
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        if isinstance(value, bool) != (kind == "bool") or not isinstance(value, TYPES[kind]):
-            raise OptionError(f"{flag(f.name)} {value!r}: must be {TYPE_NAMES[kind]}")
+        if isinstance(value, bool) != (f.type is bool) or not isinstance(value, TYPES[f.type]):
+            raise OptionError(f"{flag(f.name)} {value!r}: must be {TYPE_NAMES[f.type]}")
         if isinstance(allowed, Range) and value not in allowed:
             raise OptionError(f"{flag(f.name)} {value}: must be in {allowed}")
         if isinstance(allowed, tuple) and value not in allowed:

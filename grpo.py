@@ -134,11 +134,10 @@ def mini_batch_update(model, optimizer, micro: list, cfg, accelerator, autocast,
                 weighted = loss * b.weight
             (accelerator.backward if accelerator else torch.Tensor.backward)(weighted)
         loss_total += weighted.detach()
-        valid = b.response_mask
-        stats["entropy"] = aggregate(entropy, valid)
+        stats["entropy"] = aggregate(entropy, b.response_mask)
         if b.sampling_logp is not None:  # the engine's log-probs against the trainer's
-            stats["logprob_mismatch"] = aggregate((old - b.sampling_logp).abs(), valid)
-        tokens = valid.sum() * (b.weight > 0)
+            stats["logprob_mismatch"] = aggregate((old - b.sampling_logp).abs(), b.response_mask)
+        tokens = b.response_mask.sum() * (b.weight > 0)
         for name, value in stats.items():
             sums[name] = sums.get(name, 0.0) + value * tokens
         sums["response_tokens"] = sums.get("response_tokens", 0.0) + tokens

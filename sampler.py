@@ -254,11 +254,10 @@ def model_weights(model, dtype, tensor=None, linear=Linear) -> Weights:
         return linear(torch.cat(weights), None if biases[0] is None else torch.cat(biases))
 
     config, body = model.config, model.model
-    attn, mlp = lambda b: b.self_attn, lambda b: b.mlp  # noqa: E731
     layers = [Layer(get(b.input_layernorm.weight),
-                    stacked(attn(b).q_proj, attn(b).k_proj, attn(b).v_proj),
-                    stacked(attn(b).o_proj), get(b.post_attention_layernorm.weight),
-                    stacked(mlp(b).gate_proj, mlp(b).up_proj), stacked(mlp(b).down_proj))
+                    stacked(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj),
+                    stacked(b.self_attn.o_proj), get(b.post_attention_layernorm.weight),
+                    stacked(b.mlp.gate_proj, b.mlp.up_proj), stacked(b.mlp.down_proj))
               for b in body.layers]
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return Weights(get(body.embed_tokens.weight), layers, get(body.norm.weight),
@@ -324,14 +323,12 @@ def forward(w: Weights, tokens, positions, columns, cache: KVCache, mask, rotary
     mask.shape[-1] columns where `mask` (rows, 1, T, that width) is True."""
     rows, T = tokens.shape
     cos, sin = rotary[0][positions][:, None], rotary[1][positions][:, None]  # (rows, 1, T, dim)
-    width, kv_width = mask.shape[-1], w.n_kv_heads * w.head_dim
+    width = mask.shape[-1]
     x = F.embedding(tokens, w.embed)
     for i, layer in enumerate(w.layers):
         h = rms_norm(x, layer.input_norm, w.eps)
-        q, k, v = layer.qkv(h).split([w.n_heads * w.head_dim, kv_width, kv_width], dim=-1)
-        q = q.reshape(rows, T, w.n_heads, w.head_dim).transpose(1, 2)
-        k = k.reshape(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
-        v = v.reshape(rows, T, w.n_kv_heads, w.head_dim).transpose(1, 2)
+        heads = layer.qkv(h).reshape(rows, T, -1, w.head_dim).transpose(1, 2)  # q, k, v heads
+        q, k, v = heads.split([w.n_heads, w.n_kv_heads, w.n_kv_heads], dim=1)
         write_columns(cache.k[i], columns, rotate(k, cos, sin))
         write_columns(cache.v[i], columns, v)
         attn = attention(rotate(q, cos, sin), cache.k[i, :, :, :width], cache.v[i, :, :, :width],

@@ -87,7 +87,7 @@ class SandboxPool:
                                       isolation)
         self.closed, self.protections, self._pid = False, None, os.getpid()
         self._lock, self._idle, self._all = threading.Lock(), queue.Queue(), []
-        ctrl, helper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._ctrl, helper_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         settings = {"ctrl_fd": helper_end.fileno(), "isolation": isolation,
                     "memory_bytes": memory_bytes, "output_bytes": output_bytes,
                     "hide": [os.path.expanduser("~"), os.getcwd(), tempfile.gettempdir(),
@@ -98,8 +98,7 @@ class SandboxPool:
             env={}, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             pass_fds=[helper_end.fileno()], start_new_session=True)
         helper_end.close()
-        self._ctrl = ctrl
-        self._finalizer = weakref.finalize(self, _shutdown, self.helper, ctrl, self._all)
+        self._finalizer = weakref.finalize(self, _shutdown, self.helper, self._ctrl, self._all)
         try:
             for _ in range(self.workers):
                 self._idle.put(self._spawn())

@@ -181,8 +181,8 @@ def gather_kept(shard, groups, judged, accelerator) -> Rollouts:
     rollouts = [r for _, kept in in_order for r in kept]
     prompts, completions, rewards, sampled, tool_masks = (list(column) for column in zip(*rollouts))
     # the engine's token log-probs, for the update's mismatch statistic; the agent's tool tokens
-    sampled = sampled if all(lp is not None for lp in sampled) else None
-    return Rollouts(prompts, completions, rewards, sampled,
+    return Rollouts(prompts, completions, rewards,
+                    sampled if all(lp is not None for lp in sampled) else None,
                     tool_masks if any(m is not None for m in tool_masks) else None)
 
 
@@ -205,8 +205,8 @@ def evaluate(learner: Learner, records) -> list:
     answers = read_answers(shard, sampled, learner.domain)
     verdicts = (verify_groups(learner.verify, cfg.seed, shard, sampled, answers, -1, "eval")
                 if learner.verify and cfg.omega > 1 and k else [None] * len(shard))
-    row = functools.partial(metrics.eval_row, domain=learner.domain, omega=cfg.omega)
-    return gather_object([row(rec, g[0], a, [r.v for r in v] if v else None)
+    return gather_object([metrics.eval_row(rec, g[0], a, [r.v for r in v] if v else None,
+                                           learner.domain, cfg.omega)
                           for rec, g, a, v in zip(shard, read_answers(shard, greedy,
                                                                        learner.domain),
                                                   answers, verdicts)])
@@ -297,9 +297,8 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     policy, tokenizer = models.load_model(str(checkpoint / "model") if checkpoint else cfg.model,
                                           dtype=torch.float32)
     domain = bench_domain(cfg.bench)
-    ref_model = None
-    if cfg.kl_coef > 0:
-        ref_model = models.load_model(cfg.model)[0].requires_grad_(False).to(accelerator.device)
+    ref_model = (models.load_model(cfg.model)[0].requires_grad_(False).to(accelerator.device)
+                 if cfg.kl_coef > 0 else None)
     policy.train()
     learner = Learner(cfg, accelerator, policy, policy, tokenizer, None, None, domain, run_dir,
                       ref_model=ref_model)
@@ -440,13 +439,12 @@ def main(argv=None):
     """Parse, check, train. A user's mistake, a damaged file, Ctrl-C or SIGTERM ends in one
     line."""
     cfg = None
-    stops = (OptionError, runs.DataError, models.ModelLoadError, runs.RunDirError)
     try:
         gpu = torch.cuda.is_available()
         cfg = parse_config(argv, gpu)
         check_models(cfg)
         train(cfg, gpu)
-    except stops as err:
+    except (OptionError, runs.DataError, models.ModelLoadError, runs.RunDirError) as err:
         raise SystemExit(f"error: {err}") from None
     except KeyboardInterrupt:
         run_dir = runs.run_dir_of(cfg) if cfg is not None else None

@@ -86,9 +86,8 @@ def generate_rows(model, prompt_ids, n: int, sampling: Sampling, seeds, eos, pro
               torch.tensor(eos, dtype=torch.long, device=device), dtype, device)
     rows = []
     for start, stop in planned:
-        uniforms = None
-        if sampling.temperature > 0:
-            uniforms = row_uniforms(seeds, n, steps, start, stop).to(device)
+        uniforms = (row_uniforms(seeds, n, steps, start, stop).to(device)
+                    if sampling.temperature > 0 else None)
         label = progress and (progress if stop - start == n_rows
                               else f"{progress} (rows {start}-{stop - 1})")
         rows += decode_wave(run, [prompt_ids[r // n] for r in range(start, stop)], sampling,
@@ -248,10 +247,7 @@ def prefill_shared(run, cache: KVCache, prompts, width: int, logits):
     one's row; then its row is copied into the rows that sample from it."""
     chunks, rows_of = prefill_chunks(prompts, width)
     for jobs in chunks:
-        c = PrefillForward.of(run.w, cache, jobs)  # a scratch cache holds the shared starts
-        logits[c.rows] = forward(run.w, c.tokens, c.positions, c.columns, c.scratch, c.mask,
-                                 run.rotary, last=c.last).float()
-        c.store(cache, width)
+        prefill_forward(run, cache, jobs, width, logits)
     copy_shared_rows(cache, logits, prompts, rows_of, width)
 
 
@@ -412,13 +408,10 @@ def prefill_chunks(prompts, width: int):
     prompts of one level go together, in chunks of PREFILL_TOKENS padded tokens, shortest suffix
     first.
     """
-    distinct, rows_of = {}, []  # token tuple -> its index; the rows sampling from each prompt
+    by_prompt = {}  # token tuple -> the rows sampling from it, in the order prompts first appear
     for row, prompt in enumerate(prompts):
-        index = distinct.setdefault(tuple(prompt), len(distinct))
-        if index == len(rows_of):
-            rows_of.append([])
-        rows_of[index].append(row)
-    unique = [list(p) for p in distinct]
+        by_prompt.setdefault(tuple(prompt), []).append(row)
+    unique, rows_of = [list(p) for p in by_prompt], list(by_prompt.values())
     plan = prefix_plan(unique)
     chunks = []
     for level in range(max(step.level for step in plan) + 1):
@@ -439,47 +432,32 @@ def prefill_chunks(prompts, width: int):
     return chunks, rows_of
 
 
-@dataclass
-class PrefillForward:
-    """The inputs of one prefill forward over jobs [(row, prompt, shared, (source row, its first
-    column) or None)]. A scratch cache holds one row per job: its `shared` tokens, copied from the
-    source row, end at column A (the most any job shares), its own tokens follow, right-padded to
-    the longest; a token attends to its row's columns from its prompt's first to itself, so padding
-    (after every real token) is never read."""
-    jobs: list
-    shared_end: int          # A
-    rows: torch.Tensor       # (jobs,) the wave rows whose logits this forward gives
-    tokens: torch.Tensor     # (jobs, S) each job's own tokens, right-padded
-    positions: torch.Tensor  # (jobs, S) their rotary positions; padding at 0
-    columns: torch.Tensor    # (S,) their scratch columns
-    scratch: object          # sampler.KVCache, (jobs, A + S columns)
-    mask: torch.Tensor       # (jobs, 1, S, A + S)
-    last: torch.Tensor       # (jobs,) each job's last own token
-
-    @classmethod
-    def of(cls, w, cache, jobs):
-        device = cache.k.device
-        shared = torch.tensor([job[2] for job in jobs], device=device)
-        own = torch.tensor([len(job[1]) - job[2] for job in jobs], device=device)  # tokens it runs
-        A, S = int(shared.max()), int(own.max())
-        scratch = type(cache).zeros(w, len(jobs), A + S, cache.k.dtype, device)
-        tokens = torch.zeros(len(jobs), S, dtype=torch.long, device=device)
-        for j, (_, prompt, n_shared, source) in enumerate(jobs):
-            tokens[j, :len(prompt) - n_shared] = torch.tensor(prompt[n_shared:], device=device)
-            if source is not None:
-                copy_columns(scratch, j, A - n_shared, cache, *source, n_shared)
-        t = torch.arange(S, device=device)
-        positions = torch.where(t < own[:, None], shared[:, None] + t, 0)
-        keys = torch.arange(A + S, device=device)
-        mask = (keys >= A - shared[:, None, None]) & (keys <= A + t[None, :, None])  # jobs, S, A+S
-        rows = torch.tensor([job[0] for job in jobs], device=device)
-        return cls(jobs, A, rows, tokens, positions, A + t, scratch, mask[:, None], own - 1)
-
-    def store(self, cache, width: int):
-        """Each job's prompt, from the scratch cache into its row's columns [width - len, width)."""
-        for j, (row, prompt, n_shared, _) in enumerate(self.jobs):
-            copy_columns(cache, row, width - len(prompt), self.scratch, j,
-                         self.shared_end - n_shared, len(prompt))
+def prefill_forward(run, cache: KVCache, jobs, width: int, logits):
+    """One prefill forward over jobs [(row, prompt, shared, (source row, its first column) or
+    None)]: each job's last token's float32 logits into logits[row], its prompt into its row's
+    cache columns [width - len, width). A scratch cache holds one row per job: its `shared` tokens,
+    copied from the source row, end at column A (the most any job shares), its own tokens follow,
+    right-padded to the longest; a token attends to its row's columns from its prompt's first to
+    itself, so padding (after every real token) is never read."""
+    device = cache.k.device
+    shared = torch.tensor([job[2] for job in jobs], device=device)
+    own = torch.tensor([len(job[1]) - job[2] for job in jobs], device=device)  # tokens it runs
+    A, S = int(shared.max()), int(own.max())
+    scratch = KVCache.zeros(run.w, len(jobs), A + S, cache.k.dtype, device)
+    tokens = torch.zeros(len(jobs), S, dtype=torch.long, device=device)
+    for j, (_, prompt, n_shared, source) in enumerate(jobs):
+        tokens[j, :len(prompt) - n_shared] = torch.tensor(prompt[n_shared:], device=device)
+        if source is not None:
+            copy_columns(scratch, j, A - n_shared, cache, *source, n_shared)
+    t = torch.arange(S, device=device)
+    positions = torch.where(t < own[:, None], shared[:, None] + t, 0)  # padding at 0
+    keys = torch.arange(A + S, device=device)
+    mask = (keys >= A - shared[:, None, None]) & (keys <= A + t[None, :, None])  # jobs, S, A+S
+    rows = torch.tensor([job[0] for job in jobs], device=device)
+    logits[rows] = forward(run.w, tokens, positions, A + t, scratch, mask[:, None], run.rotary,
+                           last=own - 1).float()
+    for j, (row, prompt, n_shared, _) in enumerate(jobs):
+        copy_columns(cache, row, width - len(prompt), scratch, j, A - n_shared, len(prompt))
 
 
 def copy_shared_rows(cache, logits, prompts, rows_of, width: int):

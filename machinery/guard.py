@@ -93,8 +93,7 @@ def final_prints(tree) -> list:
         return [], False
 
     found = block(tree.body, frozenset())[0]
-    prints = [node for node in ast.walk(tree) if _is_print(node)]
-    return found or prints[-1:]
+    return found or [node for node in ast.walk(tree) if _is_print(node)][-1:]
 
 
 def chosen_nodes(tree) -> set:

@@ -94,9 +94,8 @@ def token_logprobs(model, input_ids, attention_mask, response_mask, temperature:
     # logits_to_keep=1: the model itself computes logits for the last position only
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=1,
                 output_hidden_states=-1, use_cache=False)
-    hidden = out.hidden_states[-1]                        # [B, T, H], after the final norm
     rows = response[:, 1:]                                # [B, T-1]: position t-1 predicts t
-    hidden = hidden[:, :-1][rows]                         # [N, H]
+    hidden = out.hidden_states[-1][:, :-1][rows]          # [N, H], after the final norm
     # logits / T = (hidden / T) @ W^T: scaling the N hidden rows is the cheaper side
     if temperature != 1:
         hidden = hidden / temperature

