@@ -16,7 +16,7 @@ human-written MATH solutions: the right trace and the same trace with its last b
                              [--verifiers coder-0.5b coder-1.5b]
     python -m bench.verifier --solutions 8 --verifiers coder-1.5b --max-new-tokens 1024
                              [--programs 1] [--no-repair]
-    python -m bench.verifier --memory runs/training-study-t3rl
+    python -m bench.verifier --memory runs/RUN     # a run trained with --verdict-memory
     python -m bench.verifier --demo
     python -m bench.verifier --steps runs/RUN
 """
