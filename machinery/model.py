@@ -216,9 +216,10 @@ def check_spec(spec: str, option: str = "--model"):
     """Refuse a model name that cannot load, without loading or probing anything: a missing path, a
     file without GGUF magic, a folder without config.json, a name that is not owner/name. Errors
     name `option`."""
-    if offline_model(spec):
-        if not (cache_dir() / offline_model(spec).cache_name / "config.json").is_file():
-            part_paths(offline_model(spec))  # to be converted: its parts must be installed
+    offline = offline_model(spec)
+    if offline:
+        if not (cache_dir() / offline.cache_name / "config.json").is_file():
+            part_paths(offline)  # to be converted: its parts must be installed
         return
     path = Path(spec).expanduser()
     if path.suffix == ".gguf":
@@ -262,9 +263,8 @@ def hub_snapshot(spec: str, option: str = "--model", files=HUB_CHECKPOINT_FILES)
         if files is HUB_CHECKPOINT_FILES and not any(folder.glob("*.safetensors")):
             folder = Path(snapshot_download(spec, allow_patterns=[*files, "*.bin"]))
     except HFValidationError as err:  # 'owner/', 'Qwen/Qwen2.5 Math', 'a--b/c'
-        reason = str(err).strip().splitlines()[0]
-        raise ModelLoadError(f"{option} {spec}: not a valid Hub id ({reason}); pass owner/name as "
-                             f"the Hub spells it, a folder or a .gguf file") from None
+        raise ModelLoadError(f"{option} {spec}: not a valid Hub id ({first_line(err)}); pass "
+                             f"owner/name as the Hub spells it, a folder or a .gguf file") from None
     except RepositoryNotFoundError:
         # also a gated or private repository without a token that may read it
         raise ModelLoadError(f"{option} {spec}: the Hub has no such model, or it is gated or "
