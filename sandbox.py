@@ -7,16 +7,16 @@ machinery/sandbox_server.py, never imported here (design and speed: docs/sandbox
 What is covered (isolation "root" or "userns"; `pool.report` says what is active on this machine):
 - the caller: a program never runs in the caller's process, which survives anything it does; a
   worker that dies anyway is replaced and its program reported as "killed"
-- hangs and resources: wall-clock timeout, CPU time, address space (2 GiB), file size, open files,
-  processes (pids cgroup or RLIMIT_NPROC), output capped (64 KiB per stream), stdin at EOF
+- hangs and resources: wall-clock timeout, CPU time, address space (2 GiB) and all its processes'
+  memory (cgroup), file size, open files, processes, output (64 KiB per stream); stdin at EOF
 - files: the host is read-only; /tmp, /var/tmp, /dev/shm, /run, /home, /root, this project and the
   caller's HOME, working and temp folders are hidden; each program gets a fresh private folder
 - secrets, network, leftovers: an empty environment, its own /proc, no network; what it spawned is
   killed, its folder and IPC emptied; keyrings, SysV memory, POSIX queues, namespaces, mounts: no
 What is not covered (docs/sandbox.md):
 - kernel exploits and hardware side channels (the program shares the kernel)
-- denial of service through CPU, memory bandwidth or page cache within the limits; memory in 64
-  processes (no memory cgroup)
+- denial of service through CPU, memory bandwidth or page cache within the limits; without a
+  memory cgroup (pool.report says), memory in 64 processes
 - world-readable host files outside the hidden places (/etc, /usr, /work/shared)
 - mode "userns": files the caller may read stay readable (not writable); mode "none": the file
   system beyond Unix permissions, /proc of processes of the same uid, and signals to them

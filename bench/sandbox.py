@@ -32,6 +32,10 @@ SELFTEST = [  # (name, code, timeout, check on Result)
     ("memory bomb", "b = []\nwhile True: b.append(bytearray(1 << 24))", 10, lambda r: r.status == "memory"),
     ("fork bomb", "import os\nwhile True:\n    try: os.fork()\n    except OSError: pass", 1,
      lambda r: r.status == "timeout"),
+    ("3-process memory", "import os, time\nkids = []\nfor _ in range(3):\n    pid = os.fork()\n"
+     "    if pid == 0:\n        x = b'x' * (1200 << 20)\n        time.sleep(1)\n        os._exit(0)\n"
+     "    kids.append(pid)\nprint(sum(os.waitpid(kid, 0)[1] == 0 for kid in kids))", 20,
+     lambda r: r.ok and r.stdout == "1\n"),  # the memory cgroup holds them to 2 GiB together
     ("stdin at EOF", "import sys\nprint(repr(sys.stdin.read()))", 5, lambda r: r.stdout == "''\n"),
     ("empty environment", "import os\nprint(sorted(os.environ))", 5,
      lambda r: r.stdout == "['HOME', 'LANG', 'PATH', 'TMPDIR']\n"),

@@ -1,12 +1,12 @@
 """The program sandbox.SandboxPool runs (never imports): a fork server whose workers run each
-snippet in namespaces, with seccomp, rlimits and a pids cgroup (sandbox.py; docs/sandbox.md).
+snippet in namespaces, with seccomp, rlimits and cgroups (sandbox.py; docs/sandbox.md).
 
 Process tree (one per pool; the caller's end is sandbox.SandboxPool):
 
   caller (may have imported torch, may have threads)
    `- helper: a fresh `sys.executable -I machinery/sandbox_server.py --serve`, empty environment;
       imports numpy/sympy/z3 once
-      `- launcher (one per worker): joins a pids cgroup, unshares user?/mount/pid/network namespaces
+      `- launcher (one per worker): joins its cgroups, unshares user?/mount/pid/network namespaces
          `- worker: pid 1 of its pid namespace; builds the read-only file system view once, then
             loops: hand code to the waiting snippet process -> collect output -> kill all in the
             namespace -> reply -> clean up and fork the next snippet process while idle
@@ -54,6 +54,10 @@ PROCESSES = 64               # processes (threads count too) a snippet may have 
 SCRATCH_BYTES = 64 << 20     # size of the private tmpfs holding the snippet's folder
 SNIPPET_PATH = "/usr/local/bin:/usr/bin:/bin"
 CGROUP_PREFIX = "t3rl-sandbox-"
+CONTROLLERS = ("pids", "memory")  # the cgroups a worker gets, where the system gives them
+# a worker's memory cgroup holds a snippet's processes together to the pool's memory_bytes, plus
+# the worker's own share: the helper's pages it and the waiting snippet process copy (13-16 MiB)
+WORKER_BYTES = 64 << 20
 SCRATCH = "/tmp/sandbox"     # in the worker's private /tmp: a tmpfs that holds the snippet's folder
 
 # --------------------------------------------------------------------------------------------------
@@ -233,6 +237,11 @@ def _lock_down(cfg, folder, request_r, out_w, err_w, status_w):
     for target, fd in enumerate(lifted):
         os.dup2(fd, target, inheritable=target <= 2)
     os.closerange(5, resource.getrlimit(resource.RLIMIT_NOFILE)[0])  # the worker's socket, pidfds
+    try:  # the first process an out-of-memory kill takes, in its cgroup and on the host
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:  # /proc hidden: the kernel picks by size alone
+        pass
     os.chdir(folder)
     if cfg["as_nobody"]:
         os.setgroups([])
@@ -405,6 +414,12 @@ def _worker_setup(cfg):
     report["processes"] = (f"at most {PROCESSES} ({cfg['process_cap']})" if cfg["process_cap"] else
                            "NOT capped (no pids cgroup, RLIMIT_NPROC ineffective); stopped by "
                            "timeout only")
+    report["memory"] = (f"at most {(cfg['memory_bytes'] + WORKER_BYTES) >> 20} MiB in all its "
+                        f"processes (memory cgroup), {cfg['memory_bytes'] >> 20} MiB of address "
+                        "space each" if "oom_fd" in cfg else
+                        f"NOT capped across processes (no memory cgroup): "
+                        f"{cfg['memory_bytes'] >> 20} MiB of address space each; the first "
+                        "processes the kernel's out-of-memory killer takes")
     report["limits"] = (f"wall-clock timeout + CPU time, address space "
                         f"{cfg['memory_bytes'] >> 20} MiB, file size {FILE_BYTES >> 20} MiB, "
                         f"{OPEN_FILES} open files, output {cfg['output_bytes'] >> 10} KiB per "
@@ -508,10 +523,19 @@ def _drain(buffers, cap):
             pass
 
 
+def _oom_kills(cfg):
+    """How many processes the worker's memory cgroup has lost to its cap (0 without one)."""
+    if "oom_fd" not in cfg:
+        return 0
+    kills = re.search(r"^oom_kill (\d+)$", os.pread(cfg["oom_fd"], 4096, 0).decode(), re.M)
+    return int(kills.group(1)) if kills else 0  # v1 before Linux 4.13 does not count them
+
+
 def _run(snippet, request, cfg):
     """Hand the code to the prepared process, collect output until it is done, times out or
     floods."""
     cap, timeout = cfg["output_bytes"], request["timeout"]
+    oom_kills = _oom_kills(cfg)
     buffers = {snippet.out_r: bytearray(), snippet.err_r: bytearray()}
     status = bytearray()
     start = time.monotonic()
@@ -553,7 +577,9 @@ def _run(snippet, request, cfg):
             returncode = -os.WTERMSIG(wait_status)
             cpu_spent = usage.ru_utime + usage.ru_stime >= max(1, math.ceil(timeout))
             timed_out = returncode == -signal.SIGXCPU or cpu_spent
-            verdict = verdict or ("timeout" if timed_out else "killed")
+            out_of_memory = returncode == -signal.SIGKILL and _oom_kills(cfg) > oom_kills
+            verdict = verdict or ("timeout" if timed_out else "memory" if out_of_memory
+                                  else "killed")
         else:  # it called os._exit itself
             returncode = os.WEXITSTATUS(wait_status)
             verdict = verdict or ("ok" if returncode == 0 else "error")
@@ -634,33 +660,54 @@ def _worker(cfg, sock):
 # --------------------------------------------------------------------------------------------------
 # The helper: a clean interpreter that imports once, then forks a launcher + worker per request.
 
-def _pids_cgroup_base():
-    """Folder under which this process may create pids-limited cgroups (v2 or v1), or None."""
+def _cgroup_bases():
+    """{controller: folder under which this process may create cgroups with it}, for pids and
+    memory (cgroup v2 or v1); a controller the system does not give us is absent."""
+    bases = {}
     with open("/proc/self/cgroup") as f:
         for line in f:
             _, controllers, path = line.rstrip("\n").split(":", 2)
             if controllers == "" and os.path.exists("/sys/fs/cgroup/cgroup.controllers"):
                 with open(f"/sys/fs/cgroup{path}/cgroup.subtree_control") as g:
-                    if "pids" in g.read().split():
-                        return f"/sys/fs/cgroup{path}"
-            elif "pids" in controllers.split(","):
-                return f"/sys/fs/cgroup/pids{path}"
-    return None
+                    enabled = g.read().split()
+                for controller in CONTROLLERS:
+                    if controller in enabled:
+                        bases.setdefault(controller, f"/sys/fs/cgroup{path}")
+            for controller in set(CONTROLLERS) & set(controllers.split(",")):
+                bases.setdefault(controller, f"/sys/fs/cgroup/{controller}{path}")
+    return bases
 
 
-def _make_pids_cgroup(base, name):
-    path = os.path.join(base, name)
-    try:
-        os.mkdir(path)
-    except OSError:
-        return None
-    try:
-        with open(os.path.join(path, "pids.max"), "w") as f:
-            f.write(str(PROCESSES + 2))  # + launcher and worker
-        return path
-    except OSError:
-        os.rmdir(path)
-        return None
+def _limits(controller, folder, memory_cap):
+    """(file, value) of a controller's limits in a new cgroup, in v2's names or v1's."""
+    if controller == "pids":
+        return [("pids.max", PROCESSES + 2)]  # + launcher and worker
+    if os.path.exists(f"{folder}/memory.max"):  # v2: no swap, where the system accounts it
+        limits = [("memory.max", memory_cap), ("memory.swap.max", 0)]
+    else:  # v1: memsw caps memory and swap together
+        limits = [("memory.limit_in_bytes", memory_cap),
+                  ("memory.memsw.limit_in_bytes", memory_cap)]
+    return limits[:1] + [limit for limit in limits[1:] if os.path.exists(f"{folder}/{limit[0]}")]
+
+
+def _make_cgroups(bases, name, memory_cap):
+    """A worker's cgroups, limits written: {controller: folder} (one folder for both on v2); a
+    controller whose cgroup the system refuses is left out."""
+    made = {}
+    for controller, base in bases.items():
+        folder = os.path.join(base, name)
+        created = folder not in made.values()
+        try:
+            if created:
+                os.mkdir(folder)
+            for file, value in _limits(controller, folder, memory_cap):
+                with open(os.path.join(folder, file), "w") as f:
+                    f.write(str(value))
+            made[controller] = folder
+        except OSError:
+            if created and os.path.isdir(folder):
+                os.rmdir(folder)
+    return made
 
 
 def _remove_stale_cgroups(base):
@@ -740,17 +787,17 @@ def _serve(cfg):
     ctrl = socket.socket(fileno=cfg.pop("ctrl_fd"))
     mode = _probe_isolation(cfg["isolation"])
     try:
-        cgroup_base = _pids_cgroup_base()
-        if cgroup_base:
-            _remove_stale_cgroups(cgroup_base)
+        cgroup_bases = _cgroup_bases()
+        for base in set(cgroup_bases.values()):
+            _remove_stale_cgroups(base)
     except OSError:  # no cgroup file system we may read or write
-        cgroup_base = None
+        cgroup_bases = {}
     cfg.update(mode=mode, as_nobody=os.geteuid() == 0 and mode != "userns",
                block_sockets=mode == "none" and ARCH is not None,
                python_paths=[os.path.realpath(p) for p in
                              {sys.prefix, sys.base_prefix, sys.exec_prefix, *sys.path}
                              if os.path.isdir(p)])
-    launchers = {}  # pid -> (worker id, cgroup folder or None)
+    launchers = {}  # pid -> (worker id, its cgroup folders)
     ctrl.settimeout(1.0)
     while True:
         try:
@@ -763,13 +810,14 @@ def _serve(cfg):
         request = json.loads(data)
         if request["op"] == "spawn":
             name = f"{CGROUP_PREFIX}{os.getpid()}-{request['id']}"
-            cgroup = cgroup_base and _make_pids_cgroup(cgroup_base, name)
-            process_cap = ("pids cgroup" if cgroup else
+            cgroups = _make_cgroups(cgroup_bases, name, cfg["memory_bytes"] + WORKER_BYTES)
+            process_cap = ("pids cgroup" if "pids" in cgroups else
                            "RLIMIT_NPROC in the user namespace" if mode == "userns" else
                            "RLIMIT_NPROC as nobody" if cfg["as_nobody"] else None)
             worker_cfg = dict(cfg, process_cap=process_cap,
-                              nproc_limit=cgroup is None and process_cap is not None)
-            launchers[_launch(worker_cfg, fds[0], cgroup, ctrl)] = (request["id"], cgroup)
+                              nproc_limit="pids" not in cgroups and process_cap is not None)
+            launcher = _launch(worker_cfg, fds[0], cgroups, ctrl)
+            launchers[launcher] = (request["id"], set(cgroups.values()))
             os.close(fds[0])
         elif request["op"] == "kill":
             for pid, (worker_id, _) in launchers.items():
@@ -779,16 +827,21 @@ def _serve(cfg):
     _shutdown_launchers(launchers)
 
 
-def _launch(cfg, worker_fd, cgroup, ctrl):
+def _launch(cfg, worker_fd, cgroups, ctrl):
     pid = os.fork()
     if pid:
         return pid
     try:
         ctrl.close()
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if cgroup:
-            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+        for folder in set(cgroups.values()):
+            with open(os.path.join(folder, "cgroup.procs"), "w") as f:
                 f.write(str(os.getpid()))
+        if "memory" in cgroups:  # the worker reads its OOM kills here, past the mount namespace
+            folder = cgroups["memory"]
+            events = ("memory.events" if os.path.exists(f"{folder}/memory.events") else
+                      "memory.oom_control")
+            cfg["oom_fd"] = os.open(os.path.join(folder, events), os.O_RDONLY)
         _enter_namespaces(cfg["mode"])
         sock = socket.socket(fileno=worker_fd)
         worker = os.fork()
@@ -809,9 +862,8 @@ def _reap(launchers):
             return
         if pid == 0:
             return
-        _, cgroup = launchers.pop(pid, (None, None))
-        if cgroup:
-            _remove_cgroup(cgroup)
+        for folder in launchers.pop(pid, (None, ()))[1]:
+            _remove_cgroup(folder)
 
 
 def _remove_cgroup(path, patience=2.0):
@@ -840,12 +892,11 @@ def _shutdown_launchers(launchers):
             pid, _ = os.waitpid(-1, 0)
         except ChildProcessError:
             break
-        _, cgroup = launchers.pop(pid, (None, None))
-        if cgroup:
-            _remove_cgroup(cgroup)
-    for _, cgroup in launchers.values():
-        if cgroup:
-            _remove_cgroup(cgroup)
+        for folder in launchers.pop(pid, (None, ()))[1]:
+            _remove_cgroup(folder)
+    for _, folders in launchers.values():
+        for folder in folders:
+            _remove_cgroup(folder)
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:  # the helper process a pool starts

@@ -108,6 +108,65 @@ def test_memory_bomb_is_stopped_and_reported(pool):
     assert result.status == "memory" and "MemoryError" in result.stderr
 
 
+def _may_make_memory_cgroups():
+    """Whether this process may make a memory cgroup below its own (v1 or v2), as the helper."""
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            control = f"/sys/fs/cgroup{path}/cgroup.subtree_control"
+            if "memory" in controllers.split(","):  # v1
+                base = f"/sys/fs/cgroup/memory{path}"
+            elif controllers == "" and os.path.exists(control) and "memory" in open(control).read():
+                base = f"/sys/fs/cgroup{path}"  # v2, the controller enabled below this cgroup
+            else:
+                continue
+            try:
+                os.mkdir(f"{base}/t3rl-probe-{os.getpid()}")
+            except OSError:
+                return False
+            os.rmdir(f"{base}/t3rl-probe-{os.getpid()}")
+            return True
+    return False
+
+
+@pytest.fixture(scope="module")
+def gib_pool():
+    """A pool whose programs have 1 GiB, in a memory cgroup wherever this process could make one."""
+    if not _may_make_memory_cgroups():
+        pytest.skip("this process may make no memory cgroup, so the pool has none")
+    with SandboxPool(workers=1, memory_bytes=1 << 30, timeout=20.0) as pool:
+        assert "memory cgroup" in pool.protections["memory"], pool.report
+        yield pool
+
+
+def test_a_programs_processes_together_stay_within_its_memory(gib_pool):
+    """Four children of 400 MiB each: the address-space limit allows each, the cgroup (1 GiB + the
+    worker's share) at most two at once; the others are killed, the program goes on."""
+    code = ("import os, time\nkids = []\nfor _ in range(4):\n    pid = os.fork()\n"
+            "    if pid == 0:\n        x = b'x' * (400 << 20)\n        time.sleep(1)\n"
+            "        os._exit(0)\n    kids.append(pid)\n"
+            "print(*[os.waitpid(kid, 0)[1] for kid in kids])")
+    result = gib_pool.run(code)
+    statuses = [int(s) for s in result.stdout.split()]
+    assert result.status == "ok" and len(statuses) == 4
+    assert statuses.count(0) <= 2 and set(statuses) == {0, signal.SIGKILL}
+
+
+def test_a_program_its_cgroup_kills_for_memory_is_reported_as_memory(gib_pool):
+    """700 MiB in the program, then 600 MiB in its child: the cgroup kills the larger one."""
+    code = ("import os, time\nr, w = os.pipe()\nif os.fork() == 0:\n    os.read(r, 1)\n"
+            "    x = b'x' * (600 << 20)\n    time.sleep(5)\n    os._exit(0)\n"
+            "y = b'y' * (700 << 20)\nos.write(w, b'1')\ntime.sleep(5)\nprint('survived')")
+    result = gib_pool.run(code)
+    assert (result.status, result.returncode, result.stdout) == ("memory", -signal.SIGKILL, "")
+    assert gib_pool.run("print(2)").stdout == "2\n"
+
+
+def test_programs_are_the_first_an_out_of_memory_kill_takes(pool):
+    """On the host too, without a memory cgroup: the caller (a trainer, say) outlives them."""
+    assert pool.run("print(open('/proc/self/oom_score_adj').read())").stdout == "1000\n\n"
+
+
 def test_fork_bomb_fails_and_leaves_nothing(pool):
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
     result = pool.run(bomb, timeout=1.0)
@@ -288,7 +347,7 @@ def test_network_is_unreachable_even_on_loopback(pool):
 
 def test_report_names_every_protection(pool):
     assert set(pool.protections) == {"isolation", "files", "proc", "cleanup", "network", "kernel", "user",
-                                     "processes", "limits"}
+                                     "processes", "memory", "limits"}
     assert pool.report.count("\n") == len(pool.protections) - 1
 
 
