@@ -12,7 +12,7 @@ What is covered (isolation "root" or "userns"; `pool.report` says what is active
 - files: the host is read-only; /tmp, /var/tmp, /dev/shm, /run, /home, /root, this project and the
   caller's HOME, working and temp folders are hidden; each program gets a fresh private folder
 - secrets, network, leftovers: an empty environment, its own /proc, no network; what it spawned is
-  killed, its folder and IPC emptied; keyrings, SysV memory, POSIX queues, namespaces, mounts: no
+  killed, its folder and IPC emptied; no keyring, SysV memory, POSIX queue, namespace, mount, ptrace
 What is not covered (docs/sandbox.md):
 - kernel exploits and hardware side channels (the program shares the kernel)
 - denial of service through CPU, memory bandwidth or page cache within the limits; without a

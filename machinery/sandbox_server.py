@@ -19,8 +19,8 @@ Isolation modes (`SandboxPool(isolation=...)`, "auto" picks the first that the O
           capabilities
   none    no namespaces: own process group + subreaper, seccomp blocks sockets, uid switch if root
 
-Seccomp refuses the keyring and System V memory calls, new namespaces and mounts in every mode
-(x86-64, aarch64). Run by path with -I (no environment, no script folder on sys.path), it imports
+Seccomp refuses the keyring and System V memory calls, new namespaces, mounts and ptrace in every
+mode (x86-64, aarch64). Run by path with -I (no environment, no script folder on sys.path), it imports
 only the standard library, and numpy, sympy and z3 to warm them; replies are plain dicts of
 Result's fields (sandbox.py's Result).
 """
@@ -78,12 +78,13 @@ PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 36, 38
 # outlives the program, on the host), shmget, msgget (System V memory outside the address-space
 # limit), unshare, setns, mount, pivot_root and the new mount API (open_tree .. fspick,
 # mount_setattr): in a user namespace of its own a snippet could mount a tmpfs, memory the
-# address-space limit does not count
+# address-space limit does not count; ptrace, process_vm_readv, process_vm_writev, pidfd_getfd:
+# another process's memory or files (in mode "none", the caller's, of the same uid)
 _MOUNT_API = (428, 429, 430, 431, 432, 433, 442)
 ARCH = {"x86_64": (0xC000003E, 126, 41, 425, 56, 435,
-                   (248, 249, 250, 29, 68, 272, 308, 165, 155, *_MOUNT_API)),
+                   (248, 249, 250, 29, 68, 272, 308, 165, 155, *_MOUNT_API, 101, 310, 311, 438)),
         "aarch64": (0xC00000B7, 91, 198, 425, 220, 435,
-                    (217, 218, 219, 194, 186, 97, 268, 40, 41, *_MOUNT_API)),
+                    (217, 218, 219, 194, 186, 97, 268, 40, 41, *_MOUNT_API, 117, 270, 271, 438)),
         }.get(platform.machine())
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -407,8 +408,8 @@ def _worker_setup(cfg):
                          "sockets other than AF_UNIX blocked (seccomp)" if cfg["block_sockets"] else
                          "NOT blocked (no namespace, no seccomp on this architecture)")
     refused = "refused (seccomp)" if ARCH else "NOT refused (no seccomp on this architecture)"
-    report["kernel"] = (f"keyrings, System V memory, new namespaces and mounts {refused}, no POSIX "
-                        f"message queues")
+    report["kernel"] = (f"keyrings, System V memory, new namespaces and mounts, ptrace {refused}, "
+                        f"no POSIX message queues")
     report["user"] = ("nobody (65534), no groups, no capabilities" if cfg["as_nobody"] else
                       "caller's uid, no capabilities" if mode == "userns" else "caller's uid")
     report["processes"] = (f"at most {PROCESSES} ({cfg['process_cap']})" if cfg["process_cap"] else

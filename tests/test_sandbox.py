@@ -478,6 +478,19 @@ def test_keyrings_system_v_memory_and_message_queues_are_refused(pool):
     assert pool.run(KERNEL_STATE.format(add_key=add_key)).stdout == "-1 -1 -1 -1\n"
 
 
+def test_no_program_may_trace_or_read_another_process():
+    """ptrace and process_vm_readv would reach the memory of processes of the same uid: without
+    namespaces, the caller's. Both fail, and so does PTRACE_TRACEME, which needs no other process."""
+    code = ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(libc.ptrace(0, 0, 0, 0), ctypes.get_errno())\n"  # PTRACE_TRACEME
+            "print(libc.process_vm_readv(os.getppid(), 0, 0, 0, 0, 0), ctypes.get_errno())")
+    with pytest.warns(UserWarning, match="incomplete"):
+        unprotected = SandboxPool(workers=1, isolation="none")
+    with SandboxPool(workers=1) as pool, unprotected:
+        for one in (pool, unprotected):
+            assert one.run(code).stdout == "-1 13\n-1 13\n"  # EACCES, from the seccomp filter
+
+
 NAMESPACES = ("import ctypes, subprocess, sys, threading\nlibc = ctypes.CDLL(None, use_errno=True)\n"
               "print(libc.unshare(0x10000000 | 0x00020000), ctypes.get_errno())\n"  # CLONE_NEWUSER | CLONE_NEWNS
               "print(libc.mount(b'none', b'.', b'tmpfs', 0, None), ctypes.get_errno())\n"
