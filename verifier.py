@@ -313,19 +313,20 @@ def python_spelling(result):
     return s[1:-1] if s.startswith("[") and s.endswith("]") else s
 
 
-def tool_agrees(result, answer, latex=None) -> bool:
-    """t_i ~ a_i: equivalent as printed, as sympy's LaTeX of it, or as the value after a label.
-    Values printed apart ('3 4', numpy's [3 4]) are a list, not the number 34. A float printed with
-    7 or more decimals or an exponent (1/3 -> 0.3333333333333333) is a computed double: it matches
-    a rational answer within 1e-9 (relative; absolute below 1), another exact one at its printed
-    precision; shorter decimals compare exactly (0.33 != 1/3)."""
+def tool_agrees(result, answer, latex=None, labels=3) -> bool:
+    """t_i ~ a_i: equivalent as printed, as sympy's LaTeX of it, or as the value after at most
+    `labels` labels ('Result: x = 5' has two). Values printed apart ('3 4', numpy's [3 4]) are a
+    list, not the number 34. A float printed with 7 or more decimals or an exponent (1/3 ->
+    0.3333333333333333) is a computed double: it matches a rational answer within 1e-9 (relative;
+    absolute below 1), another exact one at its printed precision; shorter decimals compare exactly
+    (0.33 != 1/3)."""
     if result is None:
         return False
     result = _SPACED_VALUES.sub(", ", result)
     if is_equiv(result, answer) or (latex is not None and is_equiv(latex, answer)):
         return True
     if value_text(result) != result:
-        return tool_agrees(value_text(result), answer)
+        return labels > 0 and tool_agrees(value_text(result), answer, labels=labels - 1)
     if python_spelling(result) != result and is_equiv(python_spelling(result), answer):
         return True
     if _MACHINE_FLOAT.fullmatch(result):

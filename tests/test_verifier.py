@@ -203,6 +203,13 @@ def test_a_printed_double_verifies_an_irrational_answer_at_its_own_precision():
     assert not is_equiv("98.99494936611666", "70\\sqrt{2}")  # between answers, decimals stay decimals
 
 
+def test_a_value_after_labels_verifies_and_a_line_of_thousands_of_labels_does_not_crash():
+    """A program's last line is anything it prints (64 KiB): 'a=' 30,000 times went one recursion
+    deeper per label, and the RecursionError ended the run."""
+    assert tool_agrees("Result: x = 5", "5") and tool_agrees("The answer is 9.", "9")
+    assert not tool_agrees("a=" * 30000, "5") and not tool_agrees("x = " * 20000 + "3", "3")
+
+
 def test_model_verifier_returns_one_completion_per_prompt_with_token_counts(tiny_model, tokenizer):
     verifier = model_verifier(tiny_model, tokenizer, max_new_tokens=4, seed=0)
     replies = verifier([verifier_prompt(ToVerify(PROBLEM, ROLLOUT, "55", "q0", None), MATH), verifier_prompt(ToVerify(PROBLEM, "no idea", "55", "q0", None), MATH)])
