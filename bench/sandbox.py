@@ -49,6 +49,8 @@ SELFTEST = [  # (name, code, timeout, check on Result)
      lambda r: r.status in ("ok", "error")),
     ("own namespace", "import ctypes\nprint(ctypes.CDLL(None).unshare(0x10000000))", 5,  # CLONE_NEWUSER
      lambda r: r.stdout == "-1\n"),
+    ("ptrace", "import ctypes\nprint(ctypes.CDLL(None).ptrace(0, 0, 0, 0))", 5,  # PTRACE_TRACEME
+     lambda r: r.stdout == "-1\n"),
     ("invalid UTF-8", "import sys\nsys.stdout.buffer.write(b'\\xff\\xfe ok')", 5,
      lambda r: r.stdout == "\ufffd\ufffd ok"),
 ]
