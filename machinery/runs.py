@@ -96,6 +96,22 @@ def free_run_name(cfg) -> str:
         return candidate
 
 
+def open_run_dir_on_main(cfg, accelerator) -> Path:
+    """The run folder, opened (open_run_dir) by the main process while the others wait: its error
+    (an unwritable --out-dir, a finished run, a damaged file) ends every process, in the same line,
+    rather than the others at their next collective with the process group's error."""
+    error = None
+    if accelerator.is_main_process:
+        try:
+            open_run_dir(cfg)
+        except (RunDirError, DataError) as err:
+            error = err
+    error = broadcast_object_list([error])[0]
+    if error is not None:
+        raise error
+    return run_dir_of(cfg)
+
+
 def open_run_dir(cfg) -> Path:
     """Create (or, with --resume, check) the run folder before any model loads: an unwritable
     --out-dir, a reused name or a finished run stop here, in one line."""

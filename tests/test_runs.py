@@ -400,3 +400,19 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_the_first_started():
                 os.kill(os.getpid(), signal.SIGTERM)  # a launcher's second signal, during the cleanup
                 cleaned.append("trackers closed")
     assert cleaned == ["trackers closed"] and signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.slow
+def test_a_run_folder_the_main_process_cannot_open_ends_every_process_in_its_line(tiny_dir, tmp_path):
+    """torchrun, 2 processes: the main one opens the run folder, and its error reaches the other, which
+    ends with the same line instead of the process group's error at its next collective."""
+    not_a_folder = tmp_path / "a-file"
+    not_a_folder.write_text("")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(ROOT / "t3rl.py"), *tiny_argv(tiny_dir, not_a_folder)]
+    done = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert done.returncode != 0 and len(lines) == 2 and lines[0] == lines[1], done.stderr[-3000:]
+    assert f"--out-dir {not_a_folder}: cannot write the run folder" in lines[0]
+    assert "[rank1]" not in done.stderr and "Connection closed" not in done.stderr
