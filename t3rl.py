@@ -288,7 +288,8 @@ def setup(cfg: Config, accelerator, records, batches, pool) -> tuple:
     """The run folder, the models (from the last checkpoint on --resume), the optimizer, and each
     extension the options ask for, entered here at one call each. Returns the Learner and the first
     step to run."""
-    run_dir = runs.open_run_dir_on_main(cfg, accelerator)
+    runs.on_main(accelerator, runs.open_run_dir, cfg)  # the others wait, and end in its error
+    run_dir = runs.run_dir_of(cfg)
     with accelerator.main_process_first():  # the main process sets a damaged checkpoint aside first
         checkpoint, state = runs.load_checkpoint(run_dir) if cfg.resume else (None, None)
     # float32 master weights whatever the source's dtype: an AdamW step of 5e-7 rounds away in

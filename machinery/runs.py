@@ -96,20 +96,21 @@ def free_run_name(cfg) -> str:
         return candidate
 
 
-def open_run_dir_on_main(cfg, accelerator) -> Path:
-    """The run folder, opened (open_run_dir) by the main process while the others wait: its error
-    (an unwritable --out-dir, a finished run, a damaged file) ends every process, in the same line,
-    rather than the others at their next collective with the process group's error."""
-    error = None
+def on_main(accelerator, fn, *args):
+    """fn(*args) on the main process while the others wait. Its RunDirError or DataError (an
+    unwritable folder, a finished run, a damaged file, a full disk) is raised on every process, so
+    each ends in the main one's line rather than at its next collective with the process group's
+    error. Returns fn's result on the main process, None on the others."""
+    result = error = None
     if accelerator.is_main_process:
         try:
-            open_run_dir(cfg)
+            result = fn(*args)
         except (RunDirError, DataError) as err:
             error = err
     error = broadcast_object_list([error])[0]
     if error is not None:
         raise error
-    return run_dir_of(cfg)
+    return result
 
 
 def open_run_dir(cfg) -> Path:
@@ -148,12 +149,14 @@ def save_checkpoint(run_dir: Path, step: int, trained, tokenizer, optimizer, sch
                     accelerator, full_state=None):
     """checkpoint/ = model and tokenizer (a --model folder) + optimizer, schedule, RNG states and
     step. Written as checkpoint.tmp/, then swapped in; the one it replaces stays as checkpoint.old/,
-    the fallback if the new one is ever found damaged. The other processes wait for it under
-    PROCESS_GROUP_TIMEOUT. full_state: (trained, optimizer) -> (weights, optimizer state) in full,
-    every process taking part (FSDP's shards); None: the module's and optimizer's own. A write the
-    disk has no room for (or the OS refuses) ends the run in one line, the last checkpoint kept."""
+    the fallback if the new one is ever found damaged. The other processes wait for it (on_main)
+    under PROCESS_GROUP_TIMEOUT. full_state: (trained, optimizer) -> (weights, optimizer state) in
+    full, every process taking part (FSDP's shards); None: the module's and optimizer's own. A write
+    the disk has no room for (or the OS refuses) ends the run in one line on every process, the last
+    checkpoint kept."""
     weights, optimizer_state = full_state(trained, optimizer) if full_state else (None, None)
-    if accelerator.is_main_process:
+
+    def write():
         tmp, final, old = (run_dir / "checkpoint.tmp", run_dir / "checkpoint",
                            run_dir / "checkpoint.old")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -178,7 +181,7 @@ def save_checkpoint(run_dir: Path, step: int, trained, tokenizer, optimizer, sch
                 shutil.rmtree(old)
             os.replace(final, old)
         os.replace(tmp, final)
-    accelerator.wait_for_everyone()
+    on_main(accelerator, write)
 
 
 def finish_run(run_dir: Path) -> None:

@@ -402,17 +402,40 @@ def test_a_second_sigterm_does_not_cut_the_cleanup_the_first_started():
     assert cleaned == ["trackers closed"] and signal.getsignal(signal.SIGTERM) == before
 
 
+MAIN_FAILS = """import errno, os, sys, time
+sys.path.insert(0, {root!r})
+import torch
+import t3rl
+if os.environ["RANK"] == "0" and {full_disk!r}:  # only the main process writes checkpoints
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    torch.save = full_disk
+try:
+    t3rl.main()
+except SystemExit as end:  # its line, then the main process ends last: torchrun stops the rest at once
+    print(end.code, file=sys.stderr, flush=True)
+    time.sleep(3 if os.environ["RANK"] == "0" else 0)
+    os._exit(1)
+"""
+
+
 @pytest.mark.slow
-def test_a_run_folder_the_main_process_cannot_open_ends_every_process_in_its_line(tiny_dir, tmp_path):
-    """torchrun, 2 processes: the main one opens the run folder, and its error reaches the other, which
-    ends with the same line instead of the process group's error at its next collective."""
-    not_a_folder = tmp_path / "a-file"
-    not_a_folder.write_text("")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "t3rl.py"), *tiny_argv(tiny_dir, not_a_folder)]
+@pytest.mark.parametrize("full_disk", [False, True])
+def test_an_error_only_the_main_process_meets_ends_every_process_in_its_line(tiny_dir, tmp_path, full_disk):
+    """torchrun, 2 processes: the main one opens the run folder (here an unwritable --out-dir) and writes
+    the checkpoints (here on a full disk); its error reaches the other process, which ends with the same
+    line instead of the process group's error at its next collective."""
+    out_dir = tmp_path / ("runs" if full_disk else "a-file")
+    if not full_disk:
+        out_dir.write_text("")
+    script = tmp_path / "launched.py"
+    script.write_text(MAIN_FAILS.format(root=str(ROOT), full_disk=full_disk))
+    argv = tiny_argv(tiny_dir, out_dir, verifier_model="none", max_steps=1, save_every=1, eval_samples=0)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), *argv]
     done = subprocess.run(cmd, cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     assert done.returncode != 0 and len(lines) == 2 and lines[0] == lines[1], done.stderr[-3000:]
-    assert f"--out-dir {not_a_folder}: cannot write the run folder" in lines[0]
+    expected = "cannot write the checkpoint of step 1" if full_disk else "cannot write the run folder"
+    assert expected in lines[0]
     assert "[rank1]" not in done.stderr and "Connection closed" not in done.stderr
