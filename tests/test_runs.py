@@ -412,9 +412,9 @@ if os.environ["RANK"] == "0" and {full_disk!r}:  # only the main process writes 
     torch.save = full_disk
 try:
     t3rl.main()
-except SystemExit as end:  # its line, then the main process ends last: torchrun stops the rest at once
+except SystemExit as end:  # its line, then a wait: torchrun stops the rest once one process ends
     print(end.code, file=sys.stderr, flush=True)
-    time.sleep(3 if os.environ["RANK"] == "0" else 0)
+    time.sleep(10)
     os._exit(1)
 """
 
@@ -424,7 +424,8 @@ except SystemExit as end:  # its line, then the main process ends last: torchrun
 def test_an_error_only_the_main_process_meets_ends_every_process_in_its_line(tiny_dir, tmp_path, full_disk):
     """torchrun, 2 processes: the main one opens the run folder (here an unwritable --out-dir) and writes
     the checkpoints (here on a full disk); its error reaches the other process, which ends with the same
-    line instead of the process group's error at its next collective."""
+    line instead of the process group's error at its next collective. Each process waits after its line,
+    so that the first to end does not have torchrun stop the other before it wrote its own."""
     out_dir = tmp_path / ("runs" if full_disk else "a-file")
     if not full_disk:
         out_dir.write_text("")
