@@ -100,17 +100,16 @@ def on_main(accelerator, fn, *args):
     """fn(*args) on the main process while the others wait. Its RunDirError or DataError (an
     unwritable folder, a finished run, a damaged file, a full disk) is raised on every process, so
     each ends in the main one's line rather than at its next collective with the process group's
-    error. Returns fn's result on the main process, None on the others."""
-    result = error = None
+    error."""
+    error = None
     if accelerator.is_main_process:
         try:
-            result = fn(*args)
+            fn(*args)
         except (RunDirError, DataError) as err:
             error = err
     error = broadcast_object_list([error])[0]
     if error is not None:
         raise error
-    return result
 
 
 def open_run_dir(cfg) -> Path:

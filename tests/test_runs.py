@@ -412,8 +412,8 @@ if os.environ["RANK"] == "0" and {full_disk!r}:  # only the main process writes 
     torch.save = full_disk
 try:
     t3rl.main()
-except SystemExit as end:  # its line, then a wait: torchrun stops the rest once one process ends
-    print(end.code, file=sys.stderr, flush=True)
+except SystemExit as end:  # its line in one write (the two would interleave), then a wait: torchrun
+    os.write(2, f"{{end.code}}\\n".encode())  # stops the rest once one process ends
     time.sleep(10)
     os._exit(1)
 """
