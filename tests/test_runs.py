@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import config
 import t3rl
 import verifier
 from config import parse_config
